@@ -1,0 +1,54 @@
+"""flextensor: run PyTorch models larger than the GPU's memory.
+
+Selected weights live in pinned host RAM and stream to the GPU just before the module that reads them
+runs, prefetched on a side stream so the copies hide under compute. Importing this package does not
+touch CUDA.
+"""
+
+from __future__ import annotations
+
+from .api import (
+    offload,
+    offload_units,
+    offloaded_parameters,
+    phase,
+    release,
+    resident_parameters,
+    save_profile,
+)
+from .config import OffloadConfig, load_config
+from .errors import (
+    AlreadyOffloadedError,
+    BackwardNotSupportedError,
+    BudgetError,
+    ConcurrentForwardError,
+    ConfigError,
+    FlexTensorError,
+    NotOffloadedError,
+    ProfileError,
+    SelectionError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyOffloadedError",
+    "BackwardNotSupportedError",
+    "BudgetError",
+    "ConcurrentForwardError",
+    "ConfigError",
+    "FlexTensorError",
+    "NotOffloadedError",
+    "OffloadConfig",
+    "ProfileError",
+    "SelectionError",
+    "__version__",
+    "load_config",
+    "offload",
+    "offload_units",
+    "offloaded_parameters",
+    "phase",
+    "release",
+    "resident_parameters",
+    "save_profile",
+]

@@ -1,0 +1,516 @@
+"""The offload engine: hooks on the model, the phases, and the steady-state load/prefetch driver.
+
+[Note: static arena aliasing]
+Every streamed parameter's ``.data`` is, for good, a view into its unit's fixed range of the device arena
+(see [Note: ring layout] in layout.py). Loading a unit is therefore one ``copy_`` of its packed host buffer
+into that range, and the hot path touches no parameter at all: per unit it is one stream wait in the
+pre-hook, one event record and at most a few copies in the post-hook. A unit's ``valid`` flag says whether
+its range currently holds its weights; copying any unit in clears the flags of the units it overlaps, so
+a unit run out of the learned order is simply loaded on demand and the output stays right.
+
+Ordering uses events only: a copy waits (on the device) for the compute that last read its range; compute
+waits for the copy. No ``record_stream`` is needed because the arena is allocated once and never handed
+back to the caching allocator while streaming.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig
+from .discovery import OutsideReadTracker
+from .errors import BackwardNotSupportedError, ConcurrentForwardError
+from .host_store import PackedParameter, UnitPack
+from .layout import UNIT_ALIGNMENT, align_up, minimal_arena_bytes, ring_layout
+from .measurements import LinkModel, Measurements
+from .planner import Plan, plan_offload
+from .profiling import StepProfiler, StepSample, combine_samples
+from .runtime import DeviceRuntime
+
+logger = logging.getLogger("flextensor")
+
+
+class Phase(enum.Enum):
+    """Where an offloaded model is in its life, and what each phase costs.
+
+    DISCOVERY: units load on demand, one at a time, while the engine learns their execution order and
+        which weights are read outside their unit. Device memory: resident weights plus an arena of the
+        two largest units.
+    PROFILING: the same memory; each unit's copy and compute are timed with device events and the
+        activation peak is measured. Ends with the plan.
+    INFERENCE: the plan is applied: some units resident, the rest streamed through an arena of
+        ``plan.arena_bytes`` with prefetch. Memory: as planned (at most the budget).
+    """
+
+    DISCOVERY = "discovery"
+    PROFILING = "profiling"
+    INFERENCE = "inference"
+
+
+@dataclass(eq=False)
+class UnitState:
+    """One offload unit: its host pack, its device bytes, and the events that guard them."""
+
+    name: str
+    module: nn.Module
+    pack: UnitPack
+    parameters: list[tuple[str, nn.Parameter, PackedParameter]]
+    copy_done: Any
+    compute_done: Any
+    resident: bool = False
+    storage: torch.Tensor | None = None
+    valid: bool = False
+    conflicts: tuple[UnitState, ...] = ()
+    prefetch_next: tuple[UnitState, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.pack.nbytes
+
+    def point_parameters(self) -> None:
+        """Alias every parameter to its place in ``storage`` (plan time only)."""
+        assert self.storage is not None
+        for _, param, entry in self.parameters:
+            param.data = entry.view(self.storage)
+
+    def __repr__(self) -> str:
+        where = "resident" if self.resident else "streamed"
+        return f"UnitState({self.name!r}, {self.nbytes} bytes, {where}, valid={self.valid})"
+
+
+class _StreamedWeightRef:
+    """What autograd saves in place of a streamed weight: backward through it must fail loudly."""
+
+    __slots__ = ("unit",)
+
+    def __init__(self, unit: str) -> None:
+        self.unit = unit
+
+
+@dataclass
+class _PlanState:
+    measurements: Measurements
+    plan: Plan
+    samples: list[StepSample] = field(default_factory=list)
+
+
+class OffloadEngine:
+    """Owns one offloaded model's units, arena, phase and hooks. Built by ``flextensor.offload``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OffloadConfig,
+        runtime: DeviceRuntime,
+        units: list[UnitState],
+        resident_parameters: dict[str, str],
+        budget_bytes: int | None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.runtime = runtime
+        self.units = {u.name: u for u in units}
+        self.resident_parameters = resident_parameters  # FQN -> reason, incl. weights found read outside
+        self.budget_bytes = budget_bytes
+        self.phase = Phase.DISCOVERY
+        self.order: list[str] = []  # execution order, once discovered
+        self.plan: Plan | None = None
+        self.measurements: Measurements | None = None
+        self.link: LinkModel | None = None
+        self.input_shapes: tuple[str, ...] = ()
+        self.forwards = 0
+        self._phase_forwards = 0
+        self._plans: dict[tuple[str, ...], _PlanState] = {}
+        self._samples: list[StepSample] = []
+        self._arena: torch.Tensor | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._owner_of: dict[int, str] = {
+            id(p): u.name for u in units for _, p, _ in u.parameters
+        }
+        self._active: set[str] = set()
+        self._tracker: OutsideReadTracker | None = None
+        self._profiler: StepProfiler | None = None
+        self._owner_thread: int | None = None
+        self._depth = 0
+        self._grad_guards: dict[str, Any] = {}
+
+    # -- layout -------------------------------------------------------------------------------------------
+
+    def apply_layout(self, streamed: list[str], resident: Iterable[str], arena_bytes: int) -> None:
+        """Give every unit its device bytes: own storage if resident, a range of the arena if streamed.
+
+        Plan time only: synchronises the device and re-points parameters (a loop over parameters).
+        """
+        resident = set(resident)
+        rt = self.runtime
+        rt.synchronize()
+        for unit in self.units.values():
+            for _, param, entry in unit.parameters:
+                # Drop the old arena's views first so its memory is reusable for the new one.
+                param.data = torch.empty(0, dtype=entry.dtype, device=rt.device)
+            unit.storage = None
+            unit.valid = False
+        self._arena = None
+
+        idle = [u for u in self.units if u not in resident and u not in streamed]
+        sizes = {u.name: u.nbytes for u in self.units.values()}
+        arena_bytes = max(arena_bytes, minimal_arena_bytes([sizes[u] for u in idle]))
+        arena_bytes = max(arena_bytes, minimal_arena_bytes([sizes[u] for u in streamed]))
+        layout = ring_layout(streamed, [sizes[u] for u in streamed], arena_bytes)
+        self._arena = torch.empty(arena_bytes, dtype=torch.uint8, device=rt.device) if arena_bytes else None
+
+        ranges: dict[str, tuple[int, int]] = {}
+        for name, offset in zip(layout.order, layout.offsets, strict=True):
+            ranges[name] = (offset, align_up(sizes[name], UNIT_ALIGNMENT))
+        for name in idle:
+            # Units never seen running: loaded on demand at the arena's start if they ever run.
+            ranges[name] = (0, align_up(sizes[name], UNIT_ALIGNMENT))
+
+        for name in resident:
+            unit = self.units[name]
+            unit.resident = True
+            unit.storage = torch.empty(unit.nbytes, dtype=torch.uint8, device=rt.device)
+            unit.storage.copy_(unit.pack.buffer)
+            unit.valid = True
+            unit.conflicts = unit.prefetch_next = ()
+            unit.point_parameters()
+        for name, (offset, length) in ranges.items():
+            unit = self.units[name]
+            unit.resident = False
+            assert self._arena is not None
+            unit.storage = self._arena[offset : offset + unit.nbytes]
+            unit.conflicts = tuple(
+                self.units[other]
+                for other, (o, n) in ranges.items()
+                if other != name and o < offset + length and offset < o + n
+            )
+            unit.point_parameters()
+        for position, name in enumerate(layout.order):
+            self.units[name].prefetch_next = tuple(
+                self.units[layout.order[k]] for k in layout.prefetch_after[position]
+            )
+        self._warm_start(layout.order)
+
+    def _warm_start(self, order: tuple[str, ...]) -> None:
+        """Copy in the first units of the order that do not overlap each other, ahead of the next forward."""
+        for name in order:
+            unit = self.units[name]
+            if any(other.valid for other in unit.conflicts):
+                break
+            self._copy_in(unit, ())
+
+    @property
+    def arena(self) -> torch.Tensor | None:
+        """The device bytes streamed units share (None when nothing streams)."""
+        return self._arena
+
+    def device_bytes_held(self) -> int:
+        """Device bytes flextensor holds for units: the arena and resident units' storage."""
+        arena = 0 if self._arena is None else self._arena.numel()
+        return arena + sum(u.nbytes for u in self.units.values() if u.resident)
+
+    # -- copies -------------------------------------------------------------------------------------------
+
+    def _copy_in(self, unit: UnitState, after: Iterable[UnitState]) -> None:
+        """Issue the copy of ``unit``'s pack into its range, after the compute of ``after`` on the device."""
+        rt = self.runtime
+        stream = rt.copy_stream
+        for other in after:
+            stream.wait_event(other.compute_done)
+        timing = self._profiler.copy_events(unit.name) if self._profiler is not None else None
+        assert unit.storage is not None
+        with rt.on_copy_stream():
+            if timing is not None:
+                timing[0].record(stream)
+            unit.storage.copy_(unit.pack.buffer, non_blocking=True)
+            if timing is not None:
+                timing[1].record(stream)
+            unit.copy_done.record(stream)
+        for other in unit.conflicts:
+            other.valid = False
+        unit.valid = True
+
+    # -- hooks --------------------------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._on_model_pre, prepend=True, with_kwargs=True)
+        )
+        self._handles.append(self.model.register_forward_hook(self._on_model_post, always_call=True))
+        for unit in self.units.values():
+            self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre_hook(unit), prepend=True))
+            self._handles.append(
+                unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True)
+            )
+
+        # torch tags these hooks with attributes, which bound methods cannot carry: wrap in functions.
+        self._handles.append(
+            self.model.register_state_dict_post_hook(lambda *a: self._state_dict_from_host(*a))
+        )
+        self._handles.append(
+            self.model.register_load_state_dict_pre_hook(lambda *a: self._refuse_load_state_dict(*a))
+        )
+
+    def _state_dict_from_host(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        """A streamed parameter's arena range may hold another unit's bytes: report the host copy."""
+        for unit in self.units.values():
+            if unit.resident:
+                continue
+            for fqn, _, entry in unit.parameters:
+                key = prefix + fqn
+                if key in state_dict:
+                    state_dict[key] = unit.pack.view(entry)
+
+    def _refuse_load_state_dict(self, module: nn.Module, *args: Any) -> None:
+        raise RuntimeError(
+            "load_state_dict() on an offloaded model would write into the shared device arena; call "
+            "flextensor.release(model) first, load, then offload again"
+        )
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        me = threading.get_ident()
+        if self._owner_thread is not None and self._owner_thread != me:
+            raise ConcurrentForwardError(
+                f"a forward of this offloaded {type(self.model).__name__} is already running in another "
+                "thread; its weights share one device arena, so run forwards one at a time (use a lock) "
+                "or offload one model per thread"
+            )
+        self._owner_thread = me
+        self._depth += 1
+        if self._depth > 1:
+            return
+        shapes = _input_shapes(args, kwargs)
+        if self.phase is Phase.INFERENCE:
+            if shapes != self.input_shapes:
+                self._on_new_input(shapes)
+            return
+        self.input_shapes = shapes
+        if self.phase is Phase.DISCOVERY:
+            self._tracker = OutsideReadTracker(self._owner_of, self._active, self._keep_outside_read_resident)
+            self._tracker.__enter__()
+        elif self.phase is Phase.PROFILING:
+            self._profiler = StepProfiler(self.runtime)
+            self._profiler.begin_step()
+
+    def _on_model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._owner_thread != threading.get_ident():
+            return  # the rejected call of a second thread
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        self._owner_thread = None
+        self.forwards += 1
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._tracker = None
+            self._end_discovery_forward()
+        elif self._profiler is not None:
+            sample = self._profiler.end_step()
+            self._profiler = None
+            self._end_profiling_forward(sample)
+
+    def _unit_pre_hook(self, unit: UnitState) -> Any:
+        def hook(module: nn.Module, args: tuple) -> None:
+            owner = self._owner_thread
+            if owner is not None and owner != threading.get_ident():
+                raise ConcurrentForwardError(
+                    f"unit {unit.name!r} entered from a second thread while a forward runs; run forwards "
+                    "one at a time"
+                )
+            if self.phase is not Phase.INFERENCE:
+                self._unit_pre_learning(unit)
+            elif not unit.resident:
+                if not unit.valid:
+                    self._copy_in(unit, unit.conflicts)  # out of the learned order: load on demand
+                self.runtime.current_stream().wait_event(unit.copy_done)
+            if torch.is_grad_enabled() and not unit.resident:
+                self._enter_grad_guard(unit)
+
+        return hook
+
+    def _unit_post_hook(self, unit: UnitState) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            guard = self._grad_guards.pop(unit.name, None)
+            if guard is not None:
+                guard.__exit__(None, None, None)
+            if unit.resident and self.phase is Phase.INFERENCE:
+                return
+            unit.compute_done.record(self.runtime.current_stream())
+            if self.phase is not Phase.INFERENCE:
+                self._active.discard(unit.name)
+                if self._profiler is not None:
+                    self._profiler.unit_end(unit.name)
+                return
+            for upcoming in unit.prefetch_next:
+                if not upcoming.valid:
+                    self._copy_in(upcoming, (unit,))
+
+        return hook
+
+    def _unit_pre_learning(self, unit: UnitState) -> None:
+        """Discovery and profiling: record the order, load on demand, time when profiling."""
+        if self.phase is Phase.DISCOVERY and unit.name not in self.order:
+            self.order.append(unit.name)
+        self._active.add(unit.name)
+        if self._profiler is not None:
+            self._profiler.before_load(unit.name, unit.nbytes)
+        if not unit.resident:
+            if not unit.valid:
+                self._copy_in(unit, unit.conflicts)
+            self.runtime.current_stream().wait_event(unit.copy_done)
+        if self._profiler is not None:
+            self._profiler.compute_start(unit.name)
+
+    def _enter_grad_guard(self, unit: UnitState) -> None:
+        arena_storage = self._arena.untyped_storage().data_ptr() if self._arena is not None else None
+        name = unit.name
+
+        def pack(tensor: torch.Tensor) -> Any:
+            if arena_storage is not None and tensor.untyped_storage().data_ptr() == arena_storage:
+                return _StreamedWeightRef(name)
+            return tensor
+
+        def unpack(saved: Any) -> Any:
+            if isinstance(saved, _StreamedWeightRef):
+                raise BackwardNotSupportedError(
+                    f"backward reached the weights of unit {saved.unit!r}, which flextensor streams for "
+                    "inference and overwrites after use, so their gradients would be wrong; run forwards "
+                    "under torch.no_grad()/inference_mode(), or call flextensor.release(model) to train"
+                )
+            return saved
+
+        guard = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        guard.__enter__()
+        self._grad_guards[unit.name] = guard
+
+    # -- discovery ----------------------------------------------------------------------------------------
+
+    def _keep_outside_read_resident(self, param_id: int, func: Any) -> None:
+        unit_name = self._owner_of.pop(param_id)
+        unit = self.units[unit_name]
+        for i, (fqn, param, entry) in enumerate(unit.parameters):
+            if id(param) == param_id:
+                param.data = unit.pack.view(entry).to(self.runtime.device, copy=True)
+                del unit.parameters[i]
+                reason = f"read outside its unit {unit_name!r} (by {getattr(func, '__name__', func)})"
+                self.resident_parameters[fqn] = reason
+                logger.info("flextensor: keeping %s resident: %s", fqn, reason)
+                return
+
+    def _end_discovery_forward(self) -> None:
+        self._phase_forwards += 1
+        if self._phase_forwards < self.config.discovery_forwards:
+            return
+        self._phase_forwards = 0
+        ran = [u for u in self.order if self.units[u].parameters]
+        idle = [u for u in self.units if u not in self.order]
+        if idle:
+            logger.info("flextensor: %d unit(s) never ran in discovery; they load on demand: %s",
+                        len(idle), ", ".join(idle[:5]))
+        self.order = ran
+        self.apply_layout(ran, (), provisional_arena_bytes([self.units[u].nbytes for u in ran]))
+        self._set_phase(Phase.PROFILING)
+
+    # -- profiling and planning ---------------------------------------------------------------------------
+
+    def _end_profiling_forward(self, sample: StepSample) -> None:
+        self._samples.append(sample)
+        self._phase_forwards += 1
+        if self._phase_forwards < self.config.profiling_forwards:
+            return
+        self._phase_forwards = 0
+        link = self.link or LinkModel.constant(1e12)
+        measurements = combine_samples(self._samples, link, self.device_bytes_held(), self.input_shapes)
+        self._samples = []
+        self.install_plan(measurements)
+
+    def install_plan(self, measurements: Measurements, plan: Plan | None = None) -> None:
+        """Plan from ``measurements`` (unless given), apply it, and enter steady state."""
+        if plan is None:
+            plan = plan_offload(measurements, self.budget_bytes)
+        self.measurements = measurements
+        self.plan = plan
+        self._plans[measurements.input_shapes] = _PlanState(measurements, plan)
+        self.order = [u.name for u in measurements.units]
+        self.apply_layout(list(plan.streamed), plan.resident, plan.arena_bytes)
+        self._set_phase(Phase.INFERENCE)
+        logger.info(
+            "flextensor: plan: %d unit(s) streamed, %d resident, arena %.2f GiB, predicted step %.1f ms, "
+            "predicted peak %.2f GiB%s",
+            len(plan.streamed), len(plan.resident), plan.arena_bytes / 2**30, plan.predicted_step_s * 1e3,
+            plan.predicted_peak_bytes / 2**30,
+            "" if plan.budget_bytes is None else f" (budget {plan.budget_bytes / 2**30:.2f} GiB)",
+        )
+
+    def _on_new_input(self, shapes: tuple[str, ...]) -> None:
+        """Inputs changed in steady state: reuse the plan made for them, or profile them and re-plan."""
+        known = self._plans.get(shapes)
+        self.input_shapes = shapes
+        if known is not None:
+            if known.plan is not self.plan:
+                self.measurements, self.plan = known.measurements, known.plan
+                self.apply_layout(list(known.plan.streamed), known.plan.resident, known.plan.arena_bytes)
+            return
+        logger.info("flextensor: new input shapes %s: profiling them and re-planning", ", ".join(shapes))
+        self.apply_layout(self.order, (), provisional_arena_bytes([self.units[u].nbytes for u in self.order]))
+        self._set_phase(Phase.PROFILING)
+        self._profiler = StepProfiler(self.runtime)
+        self._profiler.begin_step()
+
+    def _set_phase(self, phase: Phase) -> None:
+        logger.info("flextensor: %s -> %s after %d forward(s)", self.phase.value, phase.value, self.forwards)
+        self.phase = phase
+
+    # -- release ------------------------------------------------------------------------------------------
+
+    def release(self, device: torch.device | None) -> None:
+        """Remove every hook and give each parameter storage of its own on ``device``."""
+        self.runtime.synchronize()
+        self.detach()
+        target = device if device is not None else self.runtime.device
+        for unit in self.units.values():
+            for _, param, entry in unit.parameters:
+                param.data = unit.pack.view(entry).to(target, copy=True)
+            unit.storage = None
+            unit.pack.free()
+        self._arena = None
+        if device is not None:
+            for param in self.model.parameters():
+                if param.device != device:
+                    param.data = param.data.to(device)
+            for module in self.model.modules():
+                for key, buf in module._buffers.items():
+                    if buf is not None and buf.device != device:
+                        module._buffers[key] = buf.to(device)
+
+    def __repr__(self) -> str:
+        streamed = sum(1 for u in self.units.values() if not u.resident)
+        return (
+            f"OffloadEngine({type(self.model).__name__}, phase={self.phase.value}, units={len(self.units)}, "
+            f"streamed={streamed}, device={self.runtime.device})"
+        )
+
+
+def provisional_arena_bytes(sizes: list[int]) -> int:
+    """Arena while learning: room for the two largest units (or all of them, if that is less)."""
+    return min(2 * minimal_arena_bytes(sizes), sum(align_up(s, UNIT_ALIGNMENT) for s in sizes))
+
+
+def _input_shapes(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """Shapes of the tensors passed to the model's forward: what the plan's activations depend on."""
+    shapes = [f"{i}:{tuple(a.shape)}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    shapes += [f"{k}:{tuple(v.shape)}" for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    return tuple(shapes)

@@ -1,0 +1,100 @@
+"""What the engine measures about a model on a machine: the planner's and the simulator's inputs.
+
+Pure data: no torch. Times are seconds of device time, sizes are bytes. Saved in profiles as JSON.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class UnitMeasurement:
+    """One offload unit, as measured in a profiling forward.
+
+    ``nbytes``: bytes of its streamable parameters as packed (what one copy moves).
+    ``compute_s``: device time of its forward, from its pre-hook to its post-hook, weights already there.
+    ``gap_before_s``: device time between the end of the previous unit (or the step's start) and this
+    unit's start: the compute of modules that are not units (embeddings, a final norm, glue).
+    ``activation_bytes``: peak allocated during its forward above what was allocated when it started.
+    """
+
+    name: str
+    nbytes: int
+    compute_s: float
+    gap_before_s: float = 0.0
+    activation_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Host-to-device copy speed as a function of copy size, from a probe.
+
+    ``points`` are (bytes, bytes_per_second) pairs sorted by size; between points the speed is
+    interpolated linearly in log-size, outside them it is clamped. ``latency_s`` is a fixed cost per copy.
+    """
+
+    points: tuple[tuple[int, float], ...]
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a LinkModel needs at least one (bytes, bytes_per_second) point")
+        if any(bps <= 0 or size <= 0 for size, bps in self.points):
+            raise ValueError(f"link points must be positive, got {self.points}")
+        object.__setattr__(self, "points", tuple(sorted(self.points)))
+
+    @classmethod
+    def constant(cls, bytes_per_s: float, latency_s: float = 0.0) -> LinkModel:
+        return cls(points=((1, bytes_per_s),), latency_s=latency_s)
+
+    def bytes_per_s(self, nbytes: int) -> float:
+        sizes = [s for s, _ in self.points]
+        i = bisect.bisect_left(sizes, nbytes)
+        if i == 0:
+            return self.points[0][1]
+        if i >= len(self.points):
+            return self.points[-1][1]
+        (s0, b0), (s1, b1) = self.points[i - 1], self.points[i]
+        import math
+
+        w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return b0 + w * (b1 - b0)
+
+    def copy_s(self, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return self.latency_s + nbytes / self.bytes_per_s(nbytes)
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything the planner needs, measured on this machine for this model and input.
+
+    ``units``: every offload unit, in execution order.
+    ``tail_s``: device time after the last unit until the step ends.
+    ``baseline_bytes``: allocated device memory at the step's start that flextensor does not plan:
+    weights that never stream (modules outside units, excluded parameters) and the user's own tensors.
+    ``activation_peak_bytes``: the step's peak allocated memory above what was allocated at its start.
+    ``link``: the host-to-device copy speed.
+    """
+
+    units: tuple[UnitMeasurement, ...]
+    link: LinkModel
+    tail_s: float = 0.0
+    baseline_bytes: int = 0
+    activation_peak_bytes: int = 0
+    input_shapes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def compute_s(self) -> float:
+        """The step's device time with every weight already on the device."""
+        return sum(u.compute_s + u.gap_before_s for u in self.units) + self.tail_s
+
+    def by_name(self) -> dict[str, UnitMeasurement]:
+        return {u.name: u for u in self.units}
+
+    def unit_names(self) -> Sequence[str]:
+        return [u.name for u in self.units]

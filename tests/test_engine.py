@@ -1,0 +1,356 @@
+"""End to end on the CPU engine: the same host store, arena, copies and hooks as on a GPU."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor
+from flextensor.errors import (
+    AlreadyOffloadedError,
+    BackwardNotSupportedError,
+    ConcurrentForwardError,
+    NotOffloadedError,
+    SelectionError,
+)
+from real_models import llama_inputs, tiny_llama, tiny_wan, wan_inputs
+from spec_model import make_spec_model, spec_tokens
+
+CPU = {"device": "cpu"}
+
+
+def run_forwards(model: nn.Module, inputs: object, n: int = 4) -> list[torch.Tensor]:
+    outs = []
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+            outs.append(_first_tensor(out))
+    return outs
+
+
+def _first_tensor(out: object) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if hasattr(out, "sample"):
+        return out.sample
+    return out[0]  # type: ignore[index]
+
+
+def assert_all_equal(outs: list[torch.Tensor], ref: torch.Tensor) -> None:
+    for i, out in enumerate(outs):
+        assert torch.equal(out, ref), f"forward {i} differs from the resident model"
+
+
+# -- the spec's examples, end to end ------------------------------------------------------------------------
+
+SPEC_CONFIGS = {
+    "all_but_lm_head": ({"include_patterns": ["*"], "exclude_patterns": ["lm_head"]}, ["lm_head.weight"]),
+    "fp8_scales": ({"include_patterns": ["layers.*"], "exclude_patterns": ["*.scale"]}, ["layers.0.scale"]),
+    "one_layer": ({"include_patterns": ["layers.*"], "exclude_patterns": ["layers.3"]}, ["layers.3.attn.q.weight"]),
+    "classes": (
+        {"include_patterns": ["layers.*"], "exclude_patterns": ["class:SharedExpertMLP", "class:MoELayer"]},
+        ["layers.0.shared.up.weight", "layers.1.mlp.router.weight"],
+    ),
+    "fqcn": (
+        {"include_patterns": ["layers.*"], "exclude_patterns": ["class:torch.nn.*.Linear"]},
+        ["layers.0.attn.q.weight"],
+    ),
+    "combine": (
+        {"include_patterns": ["embed", "layers.*", "head"], "exclude_patterns": ["head", "*.norm"]},
+        ["head.weight", "layers.0.norm.weight", "lm_head.weight"],
+    ),
+    "submodule": ({"include_patterns": ["layers.*"], "exclude_patterns": ["layers.*.norm"]}, ["layers.2.norm.bias"]),
+}
+
+
+@pytest.mark.parametrize("name", list(SPEC_CONFIGS))
+def test_spec_examples_match_resident_model(name: str) -> None:
+    fields, must_be_resident = SPEC_CONFIGS[name]
+    ref = run_forwards(make_spec_model(), spec_tokens(), 1)[0]
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**fields, **CPU))
+    resident = set(flextensor.resident_parameters(model))
+    for fqn in must_be_resident:
+        assert fqn in resident
+    assert flextensor.offloaded_parameters(model)
+    assert_all_equal(run_forwards(model, spec_tokens()), ref)
+    assert flextensor.phase(model) == "inference"
+
+
+def test_fqcn_class_pattern_keeps_user_linear_streamed() -> None:
+    model = flextensor.offload(
+        make_spec_model(),
+        flextensor.OffloadConfig(include_patterns=["layers.*"], exclude_patterns=["class:torch.nn.*.Linear"], **CPU),
+    )
+    assert "layers.0.proj.weight" in flextensor.offloaded_parameters(model)  # the user's own Linear
+
+
+def test_offload_returns_same_object_with_names_and_keys_unchanged() -> None:
+    model = make_spec_model()
+    names = [n for n, _ in model.named_parameters()]
+    keys = list(model.state_dict())
+    calls: list[str] = []
+    model.layers[0].register_forward_hook(lambda *a: calls.append("user hook"))
+    out = flextensor.offload(model, flextensor.OffloadConfig(**CPU))
+    assert out is model and isinstance(out, type(make_spec_model()))
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == keys
+    run_forwards(model, spec_tokens(), 1)
+    assert calls == ["user hook"]
+
+
+def test_include_star_streams_through_list_children_and_never_needs_whole_model() -> None:
+    model = flextensor.offload(make_spec_model(n_layers=6), flextensor.OffloadConfig(**CPU))
+    units = flextensor.offload_units(model)
+    assert "layers" not in units and "layers.0" in units
+    run_forwards(model, spec_tokens(), 3)
+    engine = model._flextensor_engine
+    total = sum(u.nbytes for u in engine.units.values())
+    assert engine.device_bytes_held() < total
+
+
+def test_phases_follow_configured_counts() -> None:
+    model = flextensor.offload(
+        make_spec_model(), flextensor.OffloadConfig(discovery_forwards=2, profiling_forwards=2, **CPU)
+    )
+    seen = [flextensor.phase(model)]
+    for _ in range(4):
+        run_forwards(model, spec_tokens(), 1)
+        seen.append(flextensor.phase(model))
+    assert seen == ["discovery", "discovery", "profiling", "profiling", "inference"]
+
+
+def test_units_listed_in_execution_order_once_discovered() -> None:
+    class Reversed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(self.b(x))
+
+    model = flextensor.offload(Reversed(), flextensor.OffloadConfig(**CPU))
+    assert flextensor.offload_units(model) == ["a", "b"]
+    run_forwards(model, torch.randn(2, 8), 1)
+    assert flextensor.offload_units(model) == ["b", "a"]
+
+
+# -- real model classes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("include", [["*"], ["model.layers.*"]])
+def test_llama_tied_embeddings_bitwise(include: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    ref = run_forwards(tiny_llama(), llama_inputs(), 1)[0]
+    model = flextensor.offload(tiny_llama(), flextensor.OffloadConfig(include_patterns=include, **CPU))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    if include == ["*"]:
+        assert "model.embed_tokens.weight" in flextensor.resident_parameters(model)
+    assert_all_equal(run_forwards(model, llama_inputs()), ref)
+
+
+def test_llama_under_inference_mode_autocast_and_grad() -> None:
+    inputs = llama_inputs()
+    base = tiny_llama()
+    model = flextensor.offload(tiny_llama(), flextensor.OffloadConfig(include_patterns=["model.layers.*"], **CPU))
+    run_forwards(model, inputs, 3)
+    with torch.inference_mode():
+        assert torch.equal(model(inputs).logits, base(inputs).logits)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(inputs).logits, base(inputs).logits)
+    out = model(inputs).logits  # grad enabled: right outputs...
+    assert torch.equal(out, base(inputs).logits)
+    with pytest.raises(BackwardNotSupportedError, match="release"):
+        out.sum().backward()  # ...but no silently wrong gradients
+
+
+def test_wan_transformer_bitwise() -> None:
+    inputs = wan_inputs()
+    ref = run_forwards(tiny_wan(layers=3), inputs, 1)[0]
+    model = flextensor.offload(tiny_wan(layers=3), flextensor.OffloadConfig(include_patterns=["blocks.*"], **CPU))
+    assert len(flextensor.offload_units(model)) == 3
+    assert_all_equal(run_forwards(model, inputs), ref)
+
+
+def test_wan_include_everything_bitwise() -> None:
+    inputs = wan_inputs()
+    ref = run_forwards(tiny_wan(), inputs, 1)[0]
+    model = flextensor.offload(tiny_wan(), flextensor.OffloadConfig(**CPU))
+    assert_all_equal(run_forwards(model, inputs), ref)
+
+
+def test_new_input_shape_in_steady_state_replans_and_stays_right() -> None:
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    run_forwards(model, spec_tokens(), 3)
+    longer = spec_tokens(seq=16)
+    ref = run_forwards(make_spec_model(), longer, 1)[0]
+    assert_all_equal(run_forwards(model, longer, 3), ref)
+    assert flextensor.phase(model) == "inference"
+    engine = model._flextensor_engine
+    assert len(engine._plans) == 2
+
+
+# -- order changes, outside reads ----------------------------------------------------------------------------
+
+
+class Branchy(nn.Module):
+    """Runs its blocks in an order that depends on the input, one of them twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+
+    def forward(self, x: torch.Tensor, flip: bool = False) -> torch.Tensor:
+        order = [4, 2, 0, 2, 1] if flip else [0, 1, 2, 3, 4]
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return x
+
+
+def test_out_of_order_units_load_on_demand_and_stay_right() -> None:
+    x = torch.randn(3, 16)
+    ref_model = Branchy()
+    model = flextensor.offload(Branchy(), flextensor.OffloadConfig(**CPU))
+    run_forwards(model, x, 3)
+    with torch.no_grad():
+        for flip in (True, False, True, True, False):
+            assert torch.equal(model(x, flip=flip), ref_model(x, flip=flip))
+
+
+class ParentReadsChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.linear(x, self.blocks[0].weight)  # read outside blocks.0's forward
+
+
+def test_weight_read_outside_its_unit_is_kept_resident(caplog: pytest.LogCaptureFixture) -> None:
+    x = torch.randn(2, 16)
+    ref = ParentReadsChild()(x)
+    model = flextensor.offload(ParentReadsChild(), flextensor.OffloadConfig(**CPU))
+    with caplog.at_level(logging.INFO, logger="flextensor"):
+        outs = run_forwards(model, x, 4)
+    assert_all_equal(outs, ref.detach())
+    assert "blocks.0.weight" in flextensor.resident_parameters(model)
+    assert "blocks.0.bias" in flextensor.offloaded_parameters(model)
+    assert sum("blocks.0.weight" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- release ---------------------------------------------------------------------------------------------
+
+
+def test_release_round_trip_restores_state_dict() -> None:
+    before = {k: v.clone() for k, v in make_spec_model().state_dict().items()}
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    run_forwards(model, spec_tokens(), 4)
+    during = model.state_dict()
+    assert all(torch.equal(during[k], v) for k, v in before.items())
+    flextensor.release(model, device="cpu")
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) and after[k].device.type == "cpu" for k, v in before.items())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    with pytest.raises(NotOffloadedError):
+        flextensor.phase(model)
+    flextensor.offload(model, flextensor.OffloadConfig(**CPU))  # and it can be offloaded again
+    assert torch.equal(run_forwards(model, spec_tokens(), 1)[0], run_forwards(make_spec_model(), spec_tokens(), 1)[0])
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+
+
+def test_offload_twice_says_release_first() -> None:
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    with pytest.raises(AlreadyOffloadedError, match="release"):
+        flextensor.offload(model, flextensor.OffloadConfig(**CPU))
+
+
+def test_selecting_nothing_raises_and_leaves_model_alone() -> None:
+    model = make_spec_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning), pytest.raises(SelectionError):
+        flextensor.offload(model, flextensor.OffloadConfig(include_patterns=["nope.*"], **CPU))
+    assert not hasattr(model, "_flextensor_engine")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_failure_inside_offload_leaves_model_exactly_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flextensor.api as api
+
+    model = make_spec_model()
+    before = {k: (v.clone(), v.device, v.dtype) for k, v in model.state_dict().items()}
+    params_before = {n: p for n, p in model.named_parameters()}
+    real_pack = api.pack_unit
+    calls = {"n": 0}
+
+    def failing_pack(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated failure while packing")
+        return real_pack(*args, **kwargs)
+
+    monkeypatch.setattr(api, "pack_unit", failing_pack)
+    with pytest.raises(RuntimeError, match="simulated"):
+        flextensor.offload(model, flextensor.OffloadConfig(**CPU))
+    assert {n: p for n, p in model.named_parameters()} == params_before  # same Parameter objects
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k][0]) and v.device == before[k][1] and v.dtype == before[k][2]
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert not hasattr(model, "_flextensor_engine")
+
+
+def test_meta_parameters_are_refused_clearly() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(flextensor.FlexTensorError, match="meta"):
+        flextensor.offload(model, flextensor.OffloadConfig(**CPU))
+
+
+def test_forward_from_second_thread_raises() -> None:
+    started, release_gate = threading.Event(), threading.Event()
+
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            started.set()
+            release_gate.wait(10)
+            return self.b(x)
+
+    model = flextensor.offload(Slow(), flextensor.OffloadConfig(**CPU))
+    worker = threading.Thread(target=lambda: model(torch.randn(1, 4)))
+    worker.start()
+    assert started.wait(10)
+    try:
+        with pytest.raises(ConcurrentForwardError):
+            model(torch.randn(1, 4))
+    finally:
+        release_gate.set()
+        worker.join(10)
+    model(torch.randn(1, 4))  # and the first thread's forward left the model usable
+
+
+def test_introspection_on_plain_model_says_offload_first() -> None:
+    with pytest.raises(NotOffloadedError, match="offload"):
+        flextensor.offload_units(make_spec_model())
+
+
+def test_load_state_dict_while_offloaded_is_refused() -> None:
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    with pytest.raises(RuntimeError, match="release"):
+        model.load_state_dict(make_spec_model().state_dict())
