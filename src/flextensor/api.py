@@ -195,3 +195,12 @@ def save_profile(model: nn.Module, path: str | os.PathLike[str]) -> None:
             "flextensor.phase(model) == 'inference', then save"
         )
     save_engine_profile(engine, path)
+
+
+def record_next_step(model: nn.Module) -> None:
+    """Record device timings of the model's next steady-state forward, for ``report`` and ``trace``.
+
+    The first steady forward after each plan is recorded anyway; recording adds event records to that
+    one forward and nothing to the others.
+    """
+    _engine(model)._record_next = True

@@ -34,6 +34,7 @@ from .measurements import LinkModel, Measurements
 from .planner import Plan, plan_offload
 from .profiling import StepProfiler, StepSample, combine_samples
 from .runtime import DeviceRuntime
+from .timeline import StepRecorder
 
 logger = logging.getLogger("flextensor")
 
@@ -141,6 +142,9 @@ class OffloadEngine:
         self._owner_thread: int | None = None
         self._depth = 0
         self._grad_guards: dict[str, Any] = {}
+        self._recorder: StepRecorder | None = None  # armed for one steady step; None costs nothing
+        self._record_next = False
+        self.last_recording: StepRecorder | None = None
 
     # -- layout -------------------------------------------------------------------------------------------
 
@@ -225,7 +229,11 @@ class OffloadEngine:
         stream = rt.copy_stream
         for other in after:
             stream.wait_event(other.compute_done)
-        timing = self._profiler.copy_events(unit.name) if self._profiler is not None else None
+        timing = None
+        if self._profiler is not None:
+            timing = self._profiler.copy_events(unit.name)
+        elif self._recorder is not None:
+            timing = self._recorder.copy_events(unit.name, unit.nbytes)
         assert unit.storage is not None
         with rt.on_copy_stream():
             if timing is not None:
@@ -296,6 +304,10 @@ class OffloadEngine:
         if self.phase is Phase.INFERENCE:
             if shapes != self.input_shapes:
                 self._on_new_input(shapes)
+            if self._record_next and self.phase is Phase.INFERENCE:
+                self._record_next = False
+                self._recorder = StepRecorder(self.runtime)
+                self._recorder.begin()
             return
         self.input_shapes = shapes
         if self.phase is Phase.DISCOVERY:
@@ -313,6 +325,9 @@ class OffloadEngine:
             return
         self._owner_thread = None
         self.forwards += 1
+        if self._recorder is not None:
+            self._recorder.finish()
+            self.last_recording, self._recorder = self._recorder, None
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None
@@ -330,12 +345,20 @@ class OffloadEngine:
                     f"unit {unit.name!r} entered from a second thread while a forward runs; run forwards "
                     "one at a time"
                 )
+            recorder = self._recorder
             if self.phase is not Phase.INFERENCE:
                 self._unit_pre_learning(unit)
             elif not unit.resident:
+                if recorder is not None:
+                    recorder.wait_start(unit.name, False, unit.nbytes)
                 if not unit.valid:
                     self._copy_in(unit, unit.conflicts)  # out of the learned order: load on demand
                 self.runtime.current_stream().wait_event(unit.copy_done)
+                if recorder is not None:
+                    recorder.compute_start(unit.name)
+            elif recorder is not None:
+                recorder.wait_start(unit.name, True, unit.nbytes)
+                recorder.compute_start(unit.name)
             if torch.is_grad_enabled() and not unit.resident:
                 self._enter_grad_guard(unit)
 
@@ -346,6 +369,8 @@ class OffloadEngine:
             guard = self._grad_guards.pop(unit.name, None)
             if guard is not None:
                 guard.__exit__(None, None, None)
+            if self._recorder is not None:
+                self._recorder.compute_end(unit.name)
             if unit.resident and self.phase is Phase.INFERENCE:
                 return
             unit.compute_done.record(self.runtime.current_stream())
@@ -447,6 +472,7 @@ class OffloadEngine:
         self.order = [u.name for u in measurements.units]
         self.apply_layout(list(plan.streamed), plan.resident, plan.arena_bytes)
         self._set_phase(Phase.INFERENCE)
+        self._record_next = True  # the first steady step is recorded for report() and trace()
         logger.info(
             "flextensor: plan: %d unit(s) streamed, %d resident, arena %.2f GiB, predicted step %.1f ms, "
             "predicted peak %.2f GiB%s",

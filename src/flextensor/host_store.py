@@ -23,9 +23,10 @@ from .layout import align_up
 
 logger = logging.getLogger("flextensor")
 
-PARAMETER_ALIGNMENT = 256
+PARAMETER_ALIGNMENT = 512
 """Byte alignment of each parameter inside a unit's pack (and so inside the device arena): what vectorised
-kernels and cuBLAS want from a tensor's base pointer."""
+kernels and cuBLAS want from a tensor's base pointer; 512 is what the CUDA caching allocator
+gives every tensor, so kernel selection sees the same alignment as for a resident model."""
 
 PAGE = mmap.PAGESIZE
 
