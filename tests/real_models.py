@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def tiny_llama(seed: int = 0, layers: int = 3, tie: bool = True):  # noqa: ANN201
+def tiny_llama(seed: int = 0, layers: int = 3, tie: bool = True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -27,7 +27,7 @@ def llama_inputs(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 64, (batch, seq), generator=g)
 
 
-def tiny_wan(seed: int = 0, layers: int = 2):  # noqa: ANN201
+def tiny_wan(seed: int = 0, layers: int = 2):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)

@@ -52,7 +52,10 @@ def assert_all_equal(outs: list[torch.Tensor], ref: torch.Tensor) -> None:
 SPEC_CONFIGS = {
     "all_but_lm_head": ({"include_patterns": ["*"], "exclude_patterns": ["lm_head"]}, ["lm_head.weight"]),
     "fp8_scales": ({"include_patterns": ["layers.*"], "exclude_patterns": ["*.scale"]}, ["layers.0.scale"]),
-    "one_layer": ({"include_patterns": ["layers.*"], "exclude_patterns": ["layers.3"]}, ["layers.3.attn.q.weight"]),
+    "one_layer": (
+        {"include_patterns": ["layers.*"], "exclude_patterns": ["layers.3"]},
+        ["layers.3.attn.q.weight"],
+    ),
     "classes": (
         {"include_patterns": ["layers.*"], "exclude_patterns": ["class:SharedExpertMLP", "class:MoELayer"]},
         ["layers.0.shared.up.weight", "layers.1.mlp.router.weight"],
@@ -65,7 +68,10 @@ SPEC_CONFIGS = {
         {"include_patterns": ["embed", "layers.*", "head"], "exclude_patterns": ["head", "*.norm"]},
         ["head.weight", "layers.0.norm.weight", "lm_head.weight"],
     ),
-    "submodule": ({"include_patterns": ["layers.*"], "exclude_patterns": ["layers.*.norm"]}, ["layers.2.norm.bias"]),
+    "submodule": (
+        {"include_patterns": ["layers.*"], "exclude_patterns": ["layers.*.norm"]},
+        ["layers.2.norm.bias"],
+    ),
 }
 
 
@@ -85,7 +91,9 @@ def test_spec_examples_match_resident_model(name: str) -> None:
 def test_fqcn_class_pattern_keeps_user_linear_streamed() -> None:
     model = flextensor.offload(
         make_spec_model(),
-        flextensor.OffloadConfig(include_patterns=["layers.*"], exclude_patterns=["class:torch.nn.*.Linear"], **CPU),
+        flextensor.OffloadConfig(
+            include_patterns=["layers.*"], exclude_patterns=["class:torch.nn.*.Linear"], **CPU
+        ),
     )
     assert "layers.0.proj.weight" in flextensor.offloaded_parameters(model)  # the user's own Linear
 
@@ -157,7 +165,9 @@ def test_llama_tied_embeddings_bitwise(include: list[str], caplog: pytest.LogCap
 def test_llama_under_inference_mode_autocast_and_grad() -> None:
     inputs = llama_inputs()
     base = tiny_llama()
-    model = flextensor.offload(tiny_llama(), flextensor.OffloadConfig(include_patterns=["model.layers.*"], **CPU))
+    model = flextensor.offload(
+        tiny_llama(), flextensor.OffloadConfig(include_patterns=["model.layers.*"], **CPU)
+    )
     run_forwards(model, inputs, 3)
     with torch.inference_mode():
         assert torch.equal(model(inputs).logits, base(inputs).logits)
@@ -172,7 +182,9 @@ def test_llama_under_inference_mode_autocast_and_grad() -> None:
 def test_wan_transformer_bitwise() -> None:
     inputs = wan_inputs()
     ref = run_forwards(tiny_wan(layers=3), inputs, 1)[0]
-    model = flextensor.offload(tiny_wan(layers=3), flextensor.OffloadConfig(include_patterns=["blocks.*"], **CPU))
+    model = flextensor.offload(
+        tiny_wan(layers=3), flextensor.OffloadConfig(include_patterns=["blocks.*"], **CPU)
+    )
     assert len(flextensor.offload_units(model)) == 3
     assert_all_equal(run_forwards(model, inputs), ref)
 
@@ -264,7 +276,9 @@ def test_release_round_trip_restores_state_dict() -> None:
     with pytest.raises(NotOffloadedError):
         flextensor.phase(model)
     flextensor.offload(model, flextensor.OffloadConfig(**CPU))  # and it can be offloaded again
-    assert torch.equal(run_forwards(model, spec_tokens(), 1)[0], run_forwards(make_spec_model(), spec_tokens(), 1)[0])
+    assert torch.equal(
+        run_forwards(model, spec_tokens(), 1)[0], run_forwards(make_spec_model(), spec_tokens(), 1)[0]
+    )
 
 
 # -- bad input -------------------------------------------------------------------------------------------
@@ -294,7 +308,7 @@ def test_failure_inside_offload_leaves_model_exactly_as_it_was(monkeypatch: pyte
     real_pack = api.pack_unit
     calls = {"n": 0}
 
-    def failing_pack(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def failing_pack(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated failure while packing")

@@ -41,7 +41,9 @@ class Heavy(nn.Module):
     def __init__(self, dim: int = 4096, layers: int = 12) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim)) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim)) for _ in range(layers)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -96,7 +98,9 @@ def test_steady_peak_is_well_under_native() -> None:
 
 def test_copies_overlap_compute_in_steady_state() -> None:
     x = torch.randn(16384, 4096, dtype=torch.bfloat16)
-    model = flextensor.offload(Heavy(layers=12).to(torch.bfloat16), flextensor.OffloadConfig(include_patterns=["blocks.*"]))
+    model = flextensor.offload(
+        Heavy(layers=12).to(torch.bfloat16), flextensor.OffloadConfig(include_patterns=["blocks.*"])
+    )
     with torch.no_grad():
         for _ in range(3):
             model(x.cuda())

@@ -65,7 +65,9 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         rollback.commit()
     logger.info(
         "flextensor: offloaded %d unit(s), %.2f GiB streamed from %s host memory to %s",
-        len(units), sum(u.nbytes for u in units) / 2**30, "pinned" if pin and runtime.is_cuda else "pageable",
+        len(units),
+        sum(u.nbytes for u in units) / 2**30,
+        "pinned" if pin and runtime.is_cuda else "pageable",
         device,
     )
     return model
@@ -143,7 +145,8 @@ def _engine(model: nn.Module) -> OffloadEngine:
     engine = getattr(model, _ENGINE_ATTR, None)
     if engine is None:
         raise NotOffloadedError(
-            f"this {type(model).__name__} is not offloaded by flextensor; call flextensor.offload(model) first"
+            f"this {type(model).__name__} is not offloaded by flextensor; "
+            "call flextensor.offload(model) first"
         )
     return engine
 

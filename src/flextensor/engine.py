@@ -133,9 +133,7 @@ class OffloadEngine:
         self._samples: list[StepSample] = []
         self._arena: torch.Tensor | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._owner_of: dict[int, str] = {
-            id(p): u.name for u in units for _, p, _ in u.parameters
-        }
+        self._owner_of: dict[int, str] = {id(p): u.name for u in units for _, p, _ in u.parameters}
         self._active: set[str] = set()
         self._tracker: OutsideReadTracker | None = None
         self._profiler: StepProfiler | None = None
@@ -254,7 +252,9 @@ class OffloadEngine:
         )
         self._handles.append(self.model.register_forward_hook(self._on_model_post, always_call=True))
         for unit in self.units.values():
-            self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre_hook(unit), prepend=True))
+            self._handles.append(
+                unit.module.register_forward_pre_hook(self._unit_pre_hook(unit), prepend=True)
+            )
             self._handles.append(
                 unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True)
             )
@@ -443,8 +443,11 @@ class OffloadEngine:
         ran = [u for u in self.order if self.units[u].parameters]
         idle = [u for u in self.units if u not in self.order]
         if idle:
-            logger.info("flextensor: %d unit(s) never ran in discovery; they load on demand: %s",
-                        len(idle), ", ".join(idle[:5]))
+            logger.info(
+                "flextensor: %d unit(s) never ran in discovery; they load on demand: %s",
+                len(idle),
+                ", ".join(idle[:5]),
+            )
         self.order = ran
         self.apply_layout(ran, (), provisional_arena_bytes([self.units[u].nbytes for u in ran]))
         self._set_phase(Phase.PROFILING)
@@ -476,7 +479,10 @@ class OffloadEngine:
         logger.info(
             "flextensor: plan: %d unit(s) streamed, %d resident, arena %.2f GiB, predicted step %.1f ms, "
             "predicted peak %.2f GiB%s",
-            len(plan.streamed), len(plan.resident), plan.arena_bytes / 2**30, plan.predicted_step_s * 1e3,
+            len(plan.streamed),
+            len(plan.resident),
+            plan.arena_bytes / 2**30,
+            plan.predicted_step_s * 1e3,
             plan.predicted_peak_bytes / 2**30,
             "" if plan.budget_bytes is None else f" (budget {plan.budget_bytes / 2**30:.2f} GiB)",
         )

@@ -106,7 +106,10 @@ class UnitPack:
         self._mmap = None
 
     def __repr__(self) -> str:
-        return f"UnitPack({self.unit!r}, {len(self.entries)} parameters, {self.nbytes} bytes, pinned={self.pinned})"
+        return (
+            f"UnitPack({self.unit!r}, {len(self.entries)} parameters, {self.nbytes} bytes, "
+            f"pinned={self.pinned})"
+        )
 
 
 def pack_unit(unit: str, named: Sequence[tuple[str, torch.nn.Parameter]], pin: bool) -> UnitPack:
