@@ -424,13 +424,18 @@ class OffloadEngine:
     # -- discovery ----------------------------------------------------------------------------------------
 
     def _keep_outside_read_resident(self, param_id: int, func: Any) -> None:
-        unit_name = self._owner_of.pop(param_id)
-        unit = self.units[unit_name]
+        unit_name = self._owner_of[param_id]
+        self.keep_resident(
+            param_id, f"read outside its unit {unit_name!r} (by {getattr(func, '__name__', func)})"
+        )
+
+    def keep_resident(self, param_id: int, reason: str) -> None:
+        """Stop streaming one parameter: give it device storage of its own, for good (plan time only)."""
+        unit = self.units[self._owner_of.pop(param_id)]
         for i, (fqn, param, entry) in enumerate(unit.parameters):
             if id(param) == param_id:
                 param.data = unit.pack.view(entry).to(self.runtime.device, copy=True)
                 del unit.parameters[i]
-                reason = f"read outside its unit {unit_name!r} (by {getattr(func, '__name__', func)})"
                 self.resident_parameters[fqn] = reason
                 logger.info("flextensor: keeping %s resident: %s", fqn, reason)
                 return
