@@ -1,0 +1,721 @@
+"""Profiles: what the first forwards learned about a model on a machine, saved so the next run starts planned.
+
+A profile holds the execution order of the offload units, which parameters each unit streams, the
+measurements (per-unit compute time, sizes, link speed) and the plan made from them, plus a
+:class:`Fingerprint` of the model and the run it was made for. :func:`check_compatibility` decides whether
+a saved profile may be used as is, must be re-planned from its measurements, or belongs to another model.
+
+[Note: profile format]
+Profiles are versioned JSON, never pickle: loading one must not run code, and a user must be able to read
+it. The layout is::
+
+    {"format": "flextensor-profile", "version": 1, "flextensor_version": ..., "created_at": ...,
+     "fingerprint": {...}, "order": [...], "unit_parameters": {...}, "resident_parameters": [...],
+     "measurements": {...}, "plan": {...}}
+
+Dataclasses (Fingerprint, Measurements, UnitMeasurement, LinkModel, Plan) are written as objects with one
+key per field, in field order, driven by ``dataclasses.fields`` and the field annotations, so a field added
+to ``Plan`` round-trips without changes here. Tuples are written as lists and read back as tuples.
+
+Loading is strict: every value is checked against its field's annotation (an integer is not a boolean; a
+number is finite and, since flextensor only stores sizes, durations and counts, not negative), unknown keys
+are rejected (they come from a newer flextensor or a hand edit, and dropping them silently could mis-plan),
+and a missing key is an error unless its field has a default. That one leniency is deliberate: a profile
+written before a defaulted field was added still describes a valid plan, so it stays readable without a
+version bump. Every error is a :class:`ProfileError` naming the file and the JSON path of the bad field,
+e.g. ``measurements.units[3].compute_s``.
+
+Pure: no torch at import time (``fingerprint_parameters`` only calls methods of the module it is given).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import enum
+import json
+import math
+import numbers
+import operator
+import os
+import stat
+import tempfile
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from .errors import ProfileError
+from .layout import minimal_arena_bytes
+from .measurements import Measurements
+from .planner import Plan
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "Compatibility",
+    "Fingerprint",
+    "Profile",
+    "check_compatibility",
+    "fingerprint_parameters",
+    "load_profile_file",
+    "profile_from_dict",
+    "profile_to_dict",
+    "replan_reasons",
+    "save_profile_file",
+]
+
+PROFILE_FORMAT = "flextensor-profile"
+"""The ``format`` marker of every profile file: tells a profile apart from any other JSON."""
+
+PROFILE_VERSION = 1
+"""The profile layout this flextensor writes and reads. Bump it when a change would mislead older readers."""
+
+_REPROFILE = "delete it to re-profile"
+_OTHER_MODEL_FIX = "delete the profile or pass profile=None to re-profile"
+_TOP_LEVEL_FIRST = ("flextensor_version", "created_at")
+"""Profile fields written right after format/version, before the bulky ones, so a reader sees them first."""
+_MAX_SHOWN = 60
+"""Characters of a bad value quoted in an error message (a corrupted leaf may be a huge list)."""
+_NEW_FILE_MODE = 0o644
+"""Mode of a newly created profile file (NamedTemporaryFile creates 0600, too private for a shared cache)."""
+
+
+ParameterSignature = tuple[str, tuple[int, ...], str]
+"""(fully qualified name, shape, dtype as ``str(tensor.dtype)``) of one parameter."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a profile was made for: the model's parameters, the patterns, the device and the run.
+
+    ``parameters``: (FQN, shape, dtype string such as ``"torch.bfloat16"``) of every parameter, in
+    ``named_parameters`` order. ``input_shapes``: the shapes of the tensors seen as inputs while profiling,
+    e.g. ``("x:(1, 4096)",)``. ``rank`` / ``world_size``: this process's place in a distributed run.
+    """
+
+    parameters: tuple[ParameterSignature, ...]
+    include_patterns: tuple[str, ...]
+    exclude_patterns: tuple[str, ...]
+    device_name: str
+    torch_version: str
+    input_shapes: tuple[str, ...]
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+
+def fingerprint_parameters(model: torch.nn.Module) -> tuple[ParameterSignature, ...]:
+    """(FQN, shape, dtype string) of every parameter of ``model``, in ``named_parameters`` order.
+
+    Shapes are read from the tensor metadata only, so this works on meta and offloaded parameters alike.
+    """
+    return tuple(
+        (name, tuple(int(d) for d in param.shape), str(param.dtype))
+        for name, param in model.named_parameters()
+    )
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything a run needs to start in steady state: order, unit contents, measurements and plan.
+
+    ``order``: offload units in execution order. ``unit_parameters``: unit -> the parameter FQNs it
+    streams. ``resident_parameters``: parameters that stay on the device, including those found read
+    outside their unit. ``created_at``: ISO 8601 time in UTC. ``flextensor_version``: the writer's version.
+    """
+
+    fingerprint: Fingerprint
+    order: tuple[str, ...]
+    unit_parameters: dict[str, tuple[str, ...]]
+    resident_parameters: tuple[str, ...]
+    measurements: Measurements
+    plan: Plan
+    created_at: str
+    flextensor_version: str
+
+
+class Compatibility(enum.Enum):
+    """What to do with a saved profile in this run (see :func:`check_compatibility`)."""
+
+    SAME = "same"
+    """Use the saved plan as is."""
+    REPLAN = "replan"
+    """Other device, torch, rank or input shapes: re-plan from the saved measurements (the caller warns)."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Compatibility
+
+
+def check_compatibility(saved: Fingerprint, current: Fingerprint, source: str | None = None) -> Compatibility:
+    """Whether a profile made for ``saved`` may serve a run described by ``current``.
+
+    Raises ProfileError when it belongs to another model (a parameter added, missing, renamed, of another
+    shape or dtype), to other include/exclude patterns or to another world size: its order and unit
+    contents would be wrong. Returns REPLAN when only the device, torch version, rank or input shapes
+    differ (the measurements are still a fair starting point; :func:`replan_reasons` says why), else SAME.
+    ``source`` (the profile's path) is named in error messages.
+    """
+    whose = f"profile {source}" if source else "the profile"
+    difference = _parameter_difference(saved.parameters, current.parameters)
+    if difference is not None:
+        raise ProfileError(f"{whose} was made for another model: {difference}; {_OTHER_MODEL_FIX}")
+    for label, saved_patterns, current_patterns in (
+        ("include_patterns", saved.include_patterns, current.include_patterns),
+        ("exclude_patterns", saved.exclude_patterns, current.exclude_patterns),
+    ):
+        # Order matters too: it can change which pattern claims a module.
+        if tuple(saved_patterns) != tuple(current_patterns):
+            raise ProfileError(
+                f"{whose} was made with other patterns: {label} differ: profile {list(saved_patterns)!r}, "
+                f"config {list(current_patterns)!r}; {_OTHER_MODEL_FIX}"
+            )
+    if saved.world_size != current.world_size:
+        raise ProfileError(
+            f"{whose} was made with world_size {saved.world_size} but this run has world_size "
+            f"{current.world_size}; each world size needs its own profile: {_OTHER_MODEL_FIX}"
+        )
+    return Compatibility.REPLAN if replan_reasons(saved, current) else Compatibility.SAME
+
+
+def replan_reasons(saved: Fingerprint, current: Fingerprint) -> tuple[str, ...]:
+    """Human-readable differences that make a saved plan stale but its measurements reusable.
+
+    Empty when the run matches the profile. Meant for the warning a caller prints on REPLAN.
+    """
+    reasons: list[str] = []
+    if saved.device_name != current.device_name:
+        reasons.append(f"device {saved.device_name!r} in the profile, {current.device_name!r} now")
+    if saved.torch_version != current.torch_version:
+        reasons.append(f"torch {saved.torch_version} in the profile, {current.torch_version} now")
+    if saved.rank != current.rank:
+        reasons.append(f"rank {saved.rank} in the profile, {current.rank} now")
+    if tuple(saved.input_shapes) != tuple(current.input_shapes):
+        reasons.append(
+            f"input shapes {list(saved.input_shapes)} in the profile, {list(current.input_shapes)} now"
+        )
+    return tuple(reasons)
+
+
+def _parameter_difference(
+    saved: Sequence[ParameterSignature], current: Sequence[ParameterSignature]
+) -> str | None:
+    """The first difference between two parameter lists, walking this model's order; None if none.
+
+    The order of parameters alone is not a difference: units and plans are keyed by name.
+    """
+    saved_by_name = {name: (tuple(shape), dtype) for name, shape, dtype in saved}
+    current_names = {name for name, _, _ in current}
+    for i, (name, shape, dtype) in enumerate(current):
+        if name not in saved_by_name:
+            hint = ""
+            if i < len(saved) and saved[i][0] not in current_names:
+                # Same position, a name this model lacks: most likely a rename; say so.
+                hint = f" (the profile has {saved[i][0]!r} at that position instead)"
+            return f"parameter {name!r} is in this model but not in the profile{hint}"
+        saved_shape, saved_dtype = saved_by_name[name]
+        if saved_shape != tuple(shape):
+            return (
+                f"parameter {name!r} has shape {saved_shape} in the profile but {tuple(shape)} in this model"
+            )
+        if saved_dtype != dtype:
+            return f"parameter {name!r} has dtype {saved_dtype} in the profile but {dtype} in this model"
+    for name, _, _ in saved:
+        if name not in current_names:
+            return f"parameter {name!r} is in the profile but not in this model"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Dict <-> Profile
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """The JSON-ready dict of ``profile`` (see [Note: profile format]).
+
+    Converts by field annotation (so numpy integers become ints, ints in float fields become floats);
+    raises ProfileError naming the field when a value cannot be stored. Does not check consistency:
+    :func:`save_profile_file` does, by reading the dict back.
+    """
+    if not isinstance(profile, Profile):
+        raise ProfileError(f"cannot save {type(profile).__name__} as a profile; expected a Profile")
+    body = _encode(profile, Profile, "")
+    out: dict[str, Any] = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION}
+    for key in _TOP_LEVEL_FIRST:
+        out[key] = body.pop(key)
+    out.update(body)  # the remaining fields, in Profile's field order
+    return out
+
+
+def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
+    """Validate ``data`` (parsed JSON) and build the Profile it describes.
+
+    Raises ProfileError, naming ``source`` and the JSON path of the first bad field, for anything that is
+    not a well-formed, self-consistent profile of this version.
+    """
+    if not isinstance(data, dict):
+        raise ProfileError(
+            f"profile {source} is not a flextensor profile: it holds {_json_type(data)}, not an object; "
+            f"{_REPROFILE}"
+        )
+    marker = data.get("format")
+    if marker != PROFILE_FORMAT:
+        raise ProfileError(
+            f"profile {source} is not a flextensor profile: its 'format' is {_show(marker)}, expected "
+            f"{PROFILE_FORMAT!r}; check the path, or {_REPROFILE}"
+        )
+    if "version" not in data:
+        raise ProfileError(f"profile {source} has no 'version'; {_REPROFILE}")
+    version = data["version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ProfileError(
+            f"profile {source} has version {_show(version)}, not an integer; this flextensor reads version "
+            f"{PROFILE_VERSION}; {_REPROFILE}"
+        )
+    if version != PROFILE_VERSION:
+        advice = (
+            "it was written by a newer flextensor: upgrade flextensor or " + _REPROFILE
+            if version > PROFILE_VERSION
+            else _REPROFILE
+        )
+        raise ProfileError(
+            f"profile {source} has version {version}; this flextensor reads version {PROFILE_VERSION}; "
+            + advice
+        )
+    body = {key: value for key, value in data.items() if key not in ("format", "version")}
+    profile = _decode(body, Profile, "", source)
+    _check_consistency(profile, source)
+    return profile
+
+
+def _check_consistency(profile: Profile, source: str) -> None:
+    """Cross-field checks the annotations cannot express; raises ProfileError naming the field."""
+
+    def bad(path: str, message: str) -> ProfileError:
+        return ProfileError(f"profile {source} is inconsistent: {path} {message}; {_REPROFILE}")
+
+    try:
+        datetime.datetime.fromisoformat(profile.created_at)
+    except ValueError:
+        raise bad("created_at", f"is {_show(profile.created_at)}, not an ISO 8601 time") from None
+
+    parameter_names = [name for name, _, _ in profile.fingerprint.parameters]
+    for path, names, what in (
+        ("fingerprint.parameters", parameter_names, "parameter"),
+        ("order", profile.order, "unit"),
+        ("resident_parameters", profile.resident_parameters, "parameter"),
+        ("plan.resident", profile.plan.resident, "unit"),
+        ("plan.streamed", profile.plan.streamed, "unit"),
+    ):
+        seen: set[str] = set()
+        for i, name in enumerate(names):
+            if name in seen:
+                raise bad(f"{path}[{i}]", f"lists {what} {name!r} a second time")
+            seen.add(name)
+
+    measured = [u.name for u in profile.measurements.units]
+    if list(profile.order) != measured:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(profile.order, measured, strict=False)) if a != b),
+            min(len(profile.order), len(measured)),
+        )
+        raise bad(
+            "order",
+            f"({len(profile.order)} units) and measurements.units ({len(measured)} units) disagree at "
+            f"position {first}: {_at(profile.order, first)} vs {_at(measured, first)}",
+        )
+
+    units = set(profile.order)
+    for unit in profile.unit_parameters:
+        if unit not in units:
+            raise bad(f"unit_parameters[{unit!r}]", "is for a unit that is not in order")
+    for unit in profile.order:
+        if unit not in profile.unit_parameters:
+            raise bad("unit_parameters", f"has no entry for unit {unit!r} of order")
+
+    # Every streamed parameter belongs to exactly one unit and is a parameter of the fingerprinted model.
+    known = set(parameter_names)
+    owner: dict[str, str] = {}
+    for unit, fqns in profile.unit_parameters.items():
+        for i, fqn in enumerate(fqns):
+            path = f"unit_parameters[{unit!r}][{i}]"
+            if fqn not in known:
+                raise bad(path, f"names {fqn!r}, which is not in fingerprint.parameters")
+            if fqn in owner:
+                raise bad(path, f"names {fqn!r}, which unit {owner[fqn]!r} streams too")
+            owner[fqn] = unit
+    for i, fqn in enumerate(profile.resident_parameters):
+        path = f"resident_parameters[{i}]"
+        if fqn not in known:
+            raise bad(path, f"names {fqn!r}, which is not in fingerprint.parameters")
+        if fqn in owner:
+            raise bad(path, f"names {fqn!r}, which unit {owner[fqn]!r} streams")
+
+    plan = profile.plan
+    for path, planned in (("plan.resident", plan.resident), ("plan.streamed", plan.streamed)):
+        for i, unit in enumerate(planned):
+            if unit not in units:
+                raise bad(f"{path}[{i}]", f"names unit {unit!r}, which is not in order")
+    both = set(plan.resident) & set(plan.streamed)
+    if both:
+        raise bad("plan", f"has unit {sorted(both)[0]!r} both resident and streamed")
+    unplanned = [u for u in profile.order if u not in set(plan.resident) | set(plan.streamed)]
+    if unplanned:
+        raise bad("plan", f"places unit {unplanned[0]!r} neither resident nor streamed")
+    streamed = set(plan.streamed)
+    if list(plan.streamed) != [u for u in profile.order if u in streamed]:
+        raise bad("plan.streamed", "is not in execution order (the order of order)")
+    sizes = {u.name: u.nbytes for u in profile.measurements.units}
+    needed = minimal_arena_bytes([sizes[u] for u in plan.streamed])
+    if plan.arena_bytes < needed:
+        raise bad("plan.arena_bytes", f"is {plan.arena_bytes}, less than the {needed} its largest unit needs")
+
+
+def _at(items: Sequence[str], i: int) -> str:
+    return repr(items[i]) if i < len(items) else "(end)"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Files
+
+
+def save_profile_file(profile: Profile, path: str | os.PathLike[str]) -> None:
+    """Write ``profile`` to ``path`` atomically: the old file stays intact until the new one is complete.
+
+    The profile is validated first (it must load back), written to a temporary file in the same directory,
+    flushed and fsynced, then renamed over ``path``. A missing parent directory or a failed write raises
+    ProfileError; on any failure the temporary file is removed.
+    """
+    path = os.fspath(path)
+    data = profile_to_dict(profile)
+    # Read it back before writing: whatever is saved must load (a NaN or an inconsistent plan fails here).
+    profile_from_dict(data, source=f"{path} (being saved)")
+    text = _render(data, 0) + "\n"
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ProfileError(
+            f"cannot save profile {path}: directory {directory} does not exist; create it first"
+        )
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)  # keep the permissions of the file being replaced
+    except OSError:
+        mode = _NEW_FILE_MODE
+    temp_name: str | None = None
+    try:
+        with tempfile.NamedTemporaryFile(
+            "w",
+            encoding="utf-8",
+            dir=directory,
+            prefix=f".{os.path.basename(path)}.",
+            suffix=".tmp",
+            delete=False,
+        ) as temp:
+            temp_name = temp.name
+            temp.write(text)
+            temp.flush()
+            os.fsync(temp.fileno())  # the data must be on disk before the rename makes it the profile
+        os.chmod(temp_name, mode)
+        os.replace(temp_name, path)
+        temp_name = None
+    except OSError as e:
+        raise ProfileError(f"cannot save profile {path}: {e}") from e
+    finally:
+        if temp_name is not None:
+            # Already gone, or the directory vanished: nothing else to clean.
+            with contextlib.suppress(OSError):
+                os.unlink(temp_name)
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename durable (POSIX); best effort, since some systems cannot open directories."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_profile_file(path: str | os.PathLike[str]) -> Profile:
+    """Read and validate the profile at ``path``. Every failure is a ProfileError naming the path."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ProfileError(f"profile {path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"profile {path} is not valid JSON (not UTF-8 text): {e}; {_REPROFILE}") from None
+    except OSError as e:
+        raise ProfileError(f"profile {path} cannot be read: {e}") from e
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        # ValueError covers JSONDecodeError and integers too long to parse.
+        raise ProfileError(
+            f"profile {path} is not valid JSON (truncated or hand-edited?): {e}; {_REPROFILE}"
+        ) from None
+    return profile_from_dict(data, source=path)
+
+
+_INLINE_WIDTH = 100
+"""Lists without objects inside are written on one line when they fit: shapes, parameter entries."""
+
+
+def _render(value: Any, level: int) -> str:
+    """JSON text of ``value``, indented by one space per level, short flat lists on one line."""
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        pad = " " * (level + 1)
+        items = [f"{pad}{json.dumps(k)}: {_render(v, level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * level + "}"
+    if isinstance(value, list):
+        if not _has_object(value):
+            flat = json.dumps(value, allow_nan=False)
+            if len(flat) + level <= _INLINE_WIDTH:
+                return flat
+        if not value:
+            return "[]"
+        pad = " " * (level + 1)
+        return "[\n" + ",\n".join(pad + _render(v, level + 1) for v in value) + "\n" + " " * level + "]"
+    return json.dumps(value, allow_nan=False)
+
+
+def _has_object(value: Any) -> bool:
+    if isinstance(value, dict):
+        return True
+    return isinstance(value, list) and any(_has_object(v) for v in value)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Annotation-driven codec
+
+
+@cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations of a dataclass (they are strings under ``from __future__ import annotations``)."""
+    return typing.get_type_hints(cls)
+
+
+def _optional_arm(tp: Any) -> Any | None:
+    """``X`` for ``X | None``; None for any other type."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(arms) == 1 and len(typing.get_args(tp)) == 2:
+            return arms[0]
+    return None
+
+
+def _unsupported(tp: Any, path: str) -> ProfileError:
+    # A flextensor bug (a dataclass field of a type profiles cannot store), reported as such.
+    return ProfileError(
+        f"flextensor bug: field {path or '<top level>'} has type {tp!r}, which profiles cannot store"
+    )
+
+
+def _encode(value: Any, tp: Any, path: str) -> Any:
+    """``value`` (annotated ``tp``) as plain JSON data; ProfileError naming ``path`` if it cannot be."""
+
+    def bad(expected: str) -> ProfileError:
+        return ProfileError(
+            f"cannot save the profile: {path or '<top level>'} must be {expected}, got {_show(value)}"
+        )
+
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, tp):
+            raise bad(f"a {tp.__name__}")
+        hints = _field_types(tp)
+        return {
+            f.name: _encode(getattr(value, f.name), hints[f.name], _child(path, f.name))
+            for f in dataclasses.fields(tp)
+            if f.init
+        }
+    arm = _optional_arm(tp)
+    if arm is not None:
+        return None if value is None else _encode(value, arm, path)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise bad("a tuple")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return [_encode(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+        if len(value) != len(args):
+            raise bad(f"a tuple of {len(args)} items")
+        return [_encode(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))]
+    if origin is dict:
+        if args[0] is not str:
+            raise _unsupported(tp, path)
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise bad("a dict with string keys")
+        return {k: _encode(v, args[1], f"{path}[{k!r}]") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("a bool")
+        return value
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad("an integer")
+        try:
+            return operator.index(value)  # accepts numpy integers, rejects floats
+        except TypeError:
+            raise bad("an integer") from None
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise bad("a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise bad("a number") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    raise _unsupported(tp, path)
+
+
+def _decode(value: Any, tp: Any, path: str, source: str) -> Any:
+    """Parsed JSON ``value`` as the annotated type ``tp``, checked strictly; ProfileError naming ``path``."""
+
+    def bad(message: str) -> ProfileError:
+        where = path or "the top level"
+        return ProfileError(f"profile {source} is invalid: {where} {message}; {_REPROFILE}")
+
+    def expected(what: str) -> ProfileError:
+        return bad(f"must be {what}, got {_show(value)} ({_json_type(value)})")
+
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _decode_dataclass(value, tp, path, source, bad, expected)
+    arm = _optional_arm(tp)
+    if arm is not None:
+        return None if value is None else _decode(value, arm, path, source)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise expected("a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(v, args[0], f"{path}[{i}]", source) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise expected(f"a list of {len(args)} items")
+        return tuple(
+            _decode(v, a, f"{path}[{i}]", source) for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
+    if origin is dict:
+        if args[0] is not str:
+            raise _unsupported(tp, path)
+        if not isinstance(value, dict):
+            raise expected("an object")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):  # impossible from JSON text, possible from a caller's dict
+                raise bad(f"has a key {_show(k)} that is not a string")
+            out[k] = _decode(v, args[1], f"{path}[{k!r}]", source)
+        return out
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise expected("true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise expected("an integer")
+        if value < 0:
+            raise bad(f"must not be negative, got {value}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise expected("a number")
+        try:
+            number = float(value)
+        except OverflowError:
+            raise bad(f"is out of range, got {_show(value)}") from None
+        if not math.isfinite(number):
+            raise bad(f"must be a finite number, got {number}")
+        if number < 0:
+            raise bad(f"must not be negative, got {number}")
+        return number
+    if tp is str:
+        if not isinstance(value, str):
+            raise expected("a string")
+        return value
+    raise _unsupported(tp, path)
+
+
+def _decode_dataclass(
+    value: Any,
+    cls: type,
+    path: str,
+    source: str,
+    bad: Callable[[str], ProfileError],
+    expected: Callable[[str], ProfileError],
+) -> Any:
+    if not isinstance(value, dict):
+        raise expected("an object")
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = {f.name for f in fields}
+    for key in value:
+        if key not in names:
+            raise bad(
+                f"has an unknown key {_show(key)} (written by a newer flextensor, or hand-edited?); "
+                f"known keys: {', '.join(f.name for f in fields)}"
+            )
+    hints = _field_types(cls)
+    kwargs: dict[str, Any] = {}
+    for f in fields:
+        if f.name in value:
+            kwargs[f.name] = _decode(value[f.name], hints[f.name], _child(path, f.name), source)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise bad(f"has no key {f.name!r}")
+        # else: a defaulted field absent from an older profile takes its default (see module docstring).
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:  # the dataclass's own validation, e.g. LinkModel's positive points
+        raise bad(f"is invalid: {e}") from None
+
+
+def _child(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a value for an error message: JSON where possible (null, not None)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages read by people who edited the JSON."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
