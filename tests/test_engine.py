@@ -19,6 +19,7 @@ from flextensor.errors import (
 )
 from real_models import llama_inputs, tiny_llama, tiny_wan, wan_inputs
 from spec_model import make_spec_model, spec_tokens
+from streaming import streaming_config
 
 CPU = {"device": "cpu"}
 
@@ -79,13 +80,17 @@ SPEC_CONFIGS = {
 def test_spec_examples_match_resident_model(name: str) -> None:
     fields, must_be_resident = SPEC_CONFIGS[name]
     ref = run_forwards(make_spec_model(), spec_tokens(), 1)[0]
-    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**fields, **CPU))
+    model = make_spec_model()
+    model = flextensor.offload(
+        model, streaming_config(model, fields["include_patterns"], fields["exclude_patterns"])
+    )
     resident = set(flextensor.resident_parameters(model))
     for fqn in must_be_resident:
         assert fqn in resident
     assert flextensor.offloaded_parameters(model)
     assert_all_equal(run_forwards(model, spec_tokens()), ref)
     assert flextensor.phase(model) == "inference"
+    assert model._flextensor_engine.plan.streamed  # the streaming path ran, not an all-resident plan
 
 
 def test_fqcn_class_pattern_keeps_user_linear_streamed() -> None:
@@ -116,10 +121,19 @@ def test_include_star_streams_through_list_children_and_never_needs_whole_model(
     model = flextensor.offload(make_spec_model(n_layers=6), flextensor.OffloadConfig(**CPU))
     units = flextensor.offload_units(model)
     assert "layers" not in units and "layers.0" in units
-    run_forwards(model, spec_tokens(), 3)
     engine = model._flextensor_engine
     total = sum(u.nbytes for u in engine.units.values())
-    assert engine.device_bytes_held() < total
+    run_forwards(model, spec_tokens(), 1)
+    assert engine.device_bytes_held() < total / 2  # learning phases hold the two largest units
+
+    budget = total // 2
+    model = flextensor.offload(
+        make_spec_model(n_layers=6), flextensor.OffloadConfig(gpu_memory_budget=budget, **CPU)
+    )
+    run_forwards(model, spec_tokens(), 3)
+    engine = model._flextensor_engine
+    assert engine.device_bytes_held() <= budget
+    assert engine.plan is not None and engine.plan.streamed
 
 
 def test_phases_follow_configured_counts() -> None:
@@ -155,7 +169,8 @@ def test_units_listed_in_execution_order_once_discovered() -> None:
 @pytest.mark.parametrize("include", [["*"], ["model.layers.*"]])
 def test_llama_tied_embeddings_bitwise(include: list[str], caplog: pytest.LogCaptureFixture) -> None:
     ref = run_forwards(tiny_llama(), llama_inputs(), 1)[0]
-    model = flextensor.offload(tiny_llama(), flextensor.OffloadConfig(include_patterns=include, **CPU))
+    model = tiny_llama()
+    model = flextensor.offload(model, streaming_config(model, include))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     if include == ["*"]:
         assert "model.embed_tokens.weight" in flextensor.resident_parameters(model)
@@ -165,10 +180,10 @@ def test_llama_tied_embeddings_bitwise(include: list[str], caplog: pytest.LogCap
 def test_llama_under_inference_mode_autocast_and_grad() -> None:
     inputs = llama_inputs()
     base = tiny_llama()
-    model = flextensor.offload(
-        tiny_llama(), flextensor.OffloadConfig(include_patterns=["model.layers.*"], **CPU)
-    )
+    model = tiny_llama()
+    model = flextensor.offload(model, streaming_config(model, ["model.layers.*"]))
     run_forwards(model, inputs, 3)
+    assert model._flextensor_engine.plan.streamed
     with torch.inference_mode():
         assert torch.equal(model(inputs).logits, base(inputs).logits)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -182,9 +197,8 @@ def test_llama_under_inference_mode_autocast_and_grad() -> None:
 def test_wan_transformer_bitwise() -> None:
     inputs = wan_inputs()
     ref = run_forwards(tiny_wan(layers=3), inputs, 1)[0]
-    model = flextensor.offload(
-        tiny_wan(layers=3), flextensor.OffloadConfig(include_patterns=["blocks.*"], **CPU)
-    )
+    model = tiny_wan(layers=3)
+    model = flextensor.offload(model, streaming_config(model, ["blocks.*"]))
     assert len(flextensor.offload_units(model)) == 3
     assert_all_equal(run_forwards(model, inputs), ref)
 
@@ -192,12 +206,15 @@ def test_wan_transformer_bitwise() -> None:
 def test_wan_include_everything_bitwise() -> None:
     inputs = wan_inputs()
     ref = run_forwards(tiny_wan(), inputs, 1)[0]
-    model = flextensor.offload(tiny_wan(), flextensor.OffloadConfig(**CPU))
+    model = tiny_wan()
+    model = flextensor.offload(model, streaming_config(model))
     assert_all_equal(run_forwards(model, inputs), ref)
+    assert model._flextensor_engine.plan.streamed
 
 
 def test_new_input_shape_in_steady_state_replans_and_stays_right() -> None:
-    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model))
     run_forwards(model, spec_tokens(), 3)
     longer = spec_tokens(seq=16)
     ref = run_forwards(make_spec_model(), longer, 1)[0]
@@ -228,8 +245,10 @@ class Branchy(nn.Module):
 def test_out_of_order_units_load_on_demand_and_stay_right() -> None:
     x = torch.randn(3, 16)
     ref_model = Branchy()
-    model = flextensor.offload(Branchy(), flextensor.OffloadConfig(**CPU))
+    model = Branchy()
+    model = flextensor.offload(model, streaming_config(model))
     run_forwards(model, x, 3)
+    assert len(model._flextensor_engine.plan.streamed) == 5
     with torch.no_grad():
         for flip in (True, False, True, True, False):
             assert torch.equal(model(x, flip=flip), ref_model(x, flip=flip))
@@ -250,7 +269,8 @@ class ParentReadsChild(nn.Module):
 def test_weight_read_outside_its_unit_is_kept_resident(caplog: pytest.LogCaptureFixture) -> None:
     x = torch.randn(2, 16)
     ref = ParentReadsChild()(x)
-    model = flextensor.offload(ParentReadsChild(), flextensor.OffloadConfig(**CPU))
+    model = ParentReadsChild()
+    model = flextensor.offload(model, streaming_config(model))
     with caplog.at_level(logging.INFO, logger="flextensor"):
         outs = run_forwards(model, x, 4)
     assert_all_equal(outs, ref.detach())
@@ -264,7 +284,8 @@ def test_weight_read_outside_its_unit_is_kept_resident(caplog: pytest.LogCapture
 
 def test_release_round_trip_restores_state_dict() -> None:
     before = {k: v.clone() for k, v in make_spec_model().state_dict().items()}
-    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model))
     run_forwards(model, spec_tokens(), 4)
     during = model.state_dict()
     assert all(torch.equal(during[k], v) for k, v in before.items())

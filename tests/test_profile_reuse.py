@@ -11,6 +11,7 @@ import flextensor
 from flextensor.errors import NotOffloadedError, ProfileError
 from real_models import llama_inputs, tiny_llama
 from spec_model import make_spec_model, spec_tokens
+from streaming import streaming_config
 
 CPU = {"device": "cpu"}
 
@@ -25,20 +26,18 @@ def _steady(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
 def test_saved_profile_starts_next_run_in_steady_state(tmp_path: Path) -> None:
     path = tmp_path / "llama.json"
     inputs = llama_inputs()
-    first = flextensor.offload(
-        tiny_llama(), flextensor.OffloadConfig(include_patterns=["model.layers.*"], **CPU)
-    )
+    config = streaming_config(tiny_llama(), ["model.layers.*"])
+    first = flextensor.offload(tiny_llama(), config)
     ref = _steady(first, inputs).logits
     flextensor.save_profile(first, path)
 
-    second = flextensor.offload(
-        tiny_llama(), flextensor.OffloadConfig(include_patterns=["model.layers.*"], profile=path, **CPU)
-    )
+    second = flextensor.offload(tiny_llama(), config.model_copy(update={"profile": path}))
     assert flextensor.phase(second) == "inference"  # no discovery or profiling forwards
     with torch.no_grad():
         assert torch.equal(second(inputs).logits, ref)
     engine = second._flextensor_engine
     assert engine.forwards == 1 and engine.plan == first._flextensor_engine.plan
+    assert engine.plan.streamed
 
 
 def test_profile_of_another_model_is_refused_naming_the_difference(tmp_path: Path) -> None:

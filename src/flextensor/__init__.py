@@ -29,8 +29,13 @@ from .errors import (
     ProfileError,
     SelectionError,
 )
+from .log import configure_logging
+from .report import report
+from .trace import trace
 
 __version__ = "0.1.0"
+
+configure_logging()  # the "flextensor" logger: quiet unless FT_LOG_LEVEL is set
 
 __all__ = [
     "AlreadyOffloadedError",
@@ -51,6 +56,8 @@ __all__ = [
     "phase",
     "record_next_step",
     "release",
+    "report",
     "resident_parameters",
     "save_profile",
+    "trace",
 ]

@@ -1,0 +1,368 @@
+"""Measurements + budget -> Plan: which units stay resident, how big the streaming arena is.
+
+Pure: no torch. The planner searches configurations (resident set, arena size) and scores each with the
+simulator (see [Note: what the simulator models] in simulator.py); the Plan type is the engine's contract.
+
+[Note: planner search]
+A configuration is a set of resident units plus an arena multiplier ``k``: the arena holds ``k`` of the
+largest *streamed* unit (capped at all streamed units), so making a big unit resident also shrinks the
+arena. When every streamed unit fits the arena the configuration is stored as "all resident": the same
+bytes, and nothing for the engine to stream.
+
+With a budget, for each multiplier in a fixed ladder (2, 3, 4, 6, 9, ... up to all-fit) two greedy paths
+start from "everything streamed" and make units resident one move at a time: one path takes the move
+with the best estimated step-time gain per byte added, the other the cheapest move that gains anything
+(it fills tight budgets that the first path's big moves overshoot). Gains are the simulator's estimate
+(see ``_run``'s ``want_gain``); equal gains go to the unit most crowded by streamed neighbours, which
+spreads the streamed units so every copy has compute to hide under. Every configuration on every path is
+simulated; the plan is the fastest that fits the budget, ties going to less memory. A path stops at its
+first configuration over the budget. The ladder and the greedy orders do not depend on the budget, so a
+larger budget only adds candidates: the predicted step time never gets worse as the budget grows.
+
+Without a budget the planner wants the least memory that runs within ``NO_BUDGET_SLOWDOWN`` of the
+all-resident time: from everything streamed through the smallest arena it repeatedly takes whichever
+move (grow the arena one rung, or make one of the best few candidates resident) saves the most simulated
+time per byte, until the step is within tolerance.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .errors import BudgetError
+from .layout import UNIT_ALIGNMENT, RingLayout, align_up, ring_layout
+from .measurements import Measurements
+from .simulator import DEFAULT_STEPS, _prefetch_lists, _ring_ready_after, _run, simulate
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every offload unit's weights live in steady state.
+
+    ``resident``: units whose weights are copied to the device once and stay, in execution order.
+    ``streamed``: units streamed through the arena, in execution order.
+    ``arena_bytes``: size of the device arena the streamed units share (see [Note: ring layout]).
+    ``predicted_step_s`` / ``predicted_peak_bytes``: the simulator's prediction for this plan.
+    """
+
+    resident: tuple[str, ...]
+    streamed: tuple[str, ...]
+    arena_bytes: int
+    predicted_step_s: float = 0.0
+    predicted_peak_bytes: int = 0
+    budget_bytes: int | None = None
+
+    def layout(self, sizes: dict[str, int]) -> RingLayout:
+        return ring_layout(self.streamed, [sizes[u] for u in self.streamed], self.arena_bytes)
+
+
+DOUBLE_BUFFER = 2
+"""Smallest arena, in largest streamed units: one unit computes while the next is copied in. Less would
+serialise every copy with the compute before it."""
+
+NO_BUDGET_SLOWDOWN = 1.005
+"""Without a budget, a plan within this factor of the all-resident step time counts as free: step times
+measured on a GPU vary by about this much from run to run, so chasing the last 0.5% would buy memory for
+a difference the measurements cannot see."""
+
+ARENA_GROWTH = 1.5
+"""Ratio between consecutive arena multipliers on the ladder (2, 3, 4, 6, 9, ...). Lookahead past a few
+units rarely changes the step time, so the ladder thins out where it matters little; it keeps the number
+of greedy paths logarithmic in the unit count."""
+
+RESIDENT_TRIALS = 3
+"""Without a budget, how many of the best-estimated resident candidates are simulated each round. The
+gain estimate ranks well but misses layout effects (a unit leaving the ring shifts every later unit), so
+a few real simulations pick the move; more buys little for linear extra cost."""
+
+TIME_TIE_RTOL = 1e-9
+"""Step times closer than this (relative) are a tie, broken toward less memory: the simulator's sums in
+different orders differ by rounding, not by anything real."""
+
+
+def _rounded(x: float) -> float:
+    """``x`` to 9 significant digits, so that rounding noise does not break ties in rankings."""
+    return float(f"{x:.9g}")
+
+
+def _format_bytes(nbytes: int) -> str:
+    """``5.30 GiB``: budgets and model sizes are GiB-scale, and one unit keeps a message comparable."""
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class _Config:
+    """One simulated configuration. ``resident`` holds unit indices; ``gain`` is per unit index."""
+
+    resident: frozenset[int]
+    arena: int
+    step_s: float
+    memory: int
+    gain: dict[int, float]
+
+
+class _Search:
+    """Simulates configurations of one model's measurements, with a cache."""
+
+    def __init__(self, measurements: Measurements) -> None:
+        units = measurements.units
+        self.measurements = measurements
+        self.names = [u.name for u in units]
+        self.nbytes = [u.nbytes for u in units]
+        self.padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in units]
+        self.compute = [u.compute_s for u in units]
+        self.gaps = [u.gap_before_s for u in units]
+        self.copy_s = [measurements.link.copy_s(u.nbytes) for u in units]
+        self.fixed = measurements.baseline_bytes + measurements.activation_peak_bytes
+        self.total = sum(self.padded)
+        self.compute_s = measurements.compute_s
+        # Each unit's start in the all-resident timeline: where it sits in the step, in compute time.
+        self.at: list[float] = []
+        clock = 0.0
+        for u in units:
+            clock += u.gap_before_s
+            self.at.append(clock)
+            clock += u.compute_s
+        self.everything = frozenset(range(len(units)))
+        self._cache: dict[tuple[frozenset[int], int], _Config] = {}
+
+    def arena_for(self, resident: frozenset[int], mult: int | None) -> int:
+        """The arena of multiplier ``mult`` (None: all streamed fit) for this resident set."""
+        streamed = [p for i, p in enumerate(self.padded) if i not in resident]
+        fit = sum(streamed)
+        if mult is None or not streamed:
+            return fit
+        return min(mult * max(streamed), fit)
+
+    def evaluate(self, resident: frozenset[int], mult: int | None) -> _Config:
+        arena = self.arena_for(resident, mult)
+        if arena >= self.total - sum(self.padded[i] for i in resident):
+            # Every streamed unit fits: the same bytes as keeping them resident, and simpler to run.
+            resident, arena = self.everything, 0
+        key = (resident, arena)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        order = [i for i in range(len(self.names)) if i not in resident]
+        ready_after = _ring_ready_after([self.nbytes[i] for i in order], arena)
+        position = [-1] * len(self.names)
+        for k, i in enumerate(order):
+            position[i] = k
+        trace = _run(
+            self.compute,
+            self.gaps,
+            self.measurements.tail_s,
+            position,
+            [self.copy_s[i] for i in order],
+            ready_after,
+            _prefetch_lists(ready_after),
+            steps=DEFAULT_STEPS,
+            cyclic=True,
+            want_gain=True,
+        )
+        assert trace.gain is not None
+        config = _Config(
+            resident=resident,
+            arena=arena,
+            step_s=trace.step_s,
+            memory=self.fixed + sum(self.padded[i] for i in resident) + arena,
+            gain={i: trace.gain[k] for k, i in enumerate(order)},
+        )
+        self._cache[key] = config
+        return config
+
+    def _crowding(self, streamed: list[int]) -> dict[int, float]:
+        """Per streamed unit, the compute time between its streamed neighbours (cyclic).
+
+        The ranking's tie-break: with equal gains, making the most crowded unit resident spreads the
+        streamed ones evenly, so every copy has compute to hide under. Without it the picks cluster,
+        leaving the copy stream idle through a run of resident units and then behind after it.
+        """
+        count = len(streamed)
+        period = self.compute_s or 1.0
+        crowding: dict[int, float] = {}
+        for idx, i in enumerate(streamed):
+            before = self.at[streamed[idx - 1]]
+            after = self.at[streamed[(idx + 1) % count]]
+            crowding[i] = (after - before) % period if count > 2 else period
+        return crowding
+
+    def resident_moves(
+        self, config: _Config, mult: int | None, cheapest: bool = False
+    ) -> list[tuple[frozenset[int], int]]:
+        """Moves worth making next, best first, as (units to make resident, bytes the move adds).
+
+        A move is one streamed unit, or every unit of the largest streamed size at once: the arena is
+        sized by the largest streamed unit, so it shrinks only when all of them leave, which no single
+        move shows (an embedding and an LM head of one size, say). Ranked by estimated gain per byte
+        added; a move that adds no bytes (the arena shrinks at least as much as the units take) ranks
+        first when it gains time or saves memory. Moves after which every streamed unit fits are left
+        out: that configuration is the all-resident one, which the ladder's last rung evaluates anyway,
+        and jumping to it would end a greedy path at the model's full size.
+        """
+        streamed = [i for i in range(len(self.names)) if i not in config.resident]
+        if not streamed:
+            return []
+        crowding = self._crowding(streamed)
+        sizes = sorted({self.padded[i] for i in streamed}, reverse=True)
+        largest = sizes[0]
+        tops = frozenset(i for i in streamed if self.padded[i] == largest)
+        fit = sum(self.padded[i] for i in streamed)
+        candidates = [frozenset((i,)) for i in streamed]
+        if 1 < len(tops) < len(streamed):
+            candidates.append(tops)
+        ranked: list[tuple[tuple[float, ...], frozenset[int], int]] = []
+        for units in candidates:
+            taken = sum(self.padded[i] for i in units)
+            new_fit = fit - taken
+            # The arena shrinks to the next size only when every unit of the largest size leaves.
+            next_size = sizes[1] if len(sizes) > 1 else 0
+            new_largest = next_size if units == tops else largest
+            arena = new_fit if mult is None else min(mult * new_largest, new_fit)
+            if arena >= new_fit:
+                continue
+            added = taken + arena - config.arena
+            gain = sum(config.gain.get(i, 0.0) for i in units)
+            first = min(units)
+            spread = _rounded(crowding[first]) if len(units) == 1 else 0.0
+            if cheapest and (gain > 0 or added < 0):
+                ranked.append(((float(added), -_rounded(gain), spread, first), units, added))
+            elif added <= 0 and (gain > 0 or added < 0):
+                ranked.append(((0.0, -_rounded(gain), float(added), first), units, added))
+            elif gain > 0 and added > 0:
+                ranked.append(((1.0, -_rounded(gain / added), spread, first), units, added))
+        ranked.sort(key=lambda r: r[0])
+        return [(units, added) for _, units, added in ranked]
+
+
+def _better(a: _Config, b: _Config | None) -> bool:
+    """Is ``a`` a better plan than ``b``: faster beyond a rounding tie, else less memory."""
+    if b is None:
+        return True
+    if a.step_s < b.step_s * (1 - TIME_TIE_RTOL):
+        return True
+    if b.step_s < a.step_s * (1 - TIME_TIE_RTOL):
+        return False
+    return (a.memory, len(a.resident)) < (b.memory, len(b.resident))
+
+
+def _multipliers(search: _Search) -> list[int | None]:
+    """The arena ladder: multiples of the largest unit from DOUBLE_BUFFER up to all-fit (None)."""
+    ladder: list[int | None] = []
+    largest = max(search.padded, default=0)
+    k = DOUBLE_BUFFER
+    while largest and k * largest < search.total:
+        ladder.append(k)
+        k = max(k + 1, int(k * ARENA_GROWTH))
+    ladder.append(None)
+    return ladder
+
+
+def _search_budget(search: _Search, budget: int) -> _Config:
+    """The fastest configuration within ``budget`` among the greedy paths (see [Note: planner search])."""
+    best: _Config | None = None
+    floor = search.compute_s * (1 + TIME_TIE_RTOL)  # no configuration runs faster than its compute
+    for mult, cheapest in itertools.product(_multipliers(search), (False, True)):
+        resident: frozenset[int] = frozenset()
+        while True:
+            config = search.evaluate(resident, mult)
+            if config.memory > budget:
+                break
+            if _better(config, best):
+                best = config
+            if config.step_s <= floor:
+                break
+            resident_bytes = search.fixed + sum(search.padded[i] for i in config.resident)
+            if best is not None and best.step_s <= floor and resident_bytes >= best.memory:
+                break  # every later configuration on this path is no faster and uses more memory
+            moves = search.resident_moves(config, mult, cheapest)
+            if not moves:
+                break
+            resident = config.resident | moves[0][0]
+    if best is None:  # cannot happen once the minimal configuration fits; kept for a clear failure
+        raise BudgetError(f"no configuration fits the budget of {_format_bytes(budget)}")
+    return best
+
+
+def _search_no_budget(search: _Search) -> _Config:
+    """The least memory within NO_BUDGET_SLOWDOWN of the all-resident time (see [Note: planner search])."""
+    target = search.compute_s * NO_BUDGET_SLOWDOWN
+    ladder = _multipliers(search)
+    rung = 0
+    config = search.evaluate(frozenset(), ladder[rung])
+    # Each round grows the arena a rung or adds a resident unit, so this ends within len(ladder) + units
+    # rounds; at the top of the ladder everything fits and the step is the compute time.
+    while config.step_s > target:
+        options: list[tuple[_Config, int]] = []
+        if rung + 1 < len(ladder):
+            options.append((search.evaluate(config.resident, ladder[rung + 1]), rung + 1))
+        for units, _ in search.resident_moves(config, ladder[rung])[:RESIDENT_TRIALS]:
+            options.append((search.evaluate(config.resident | units, ladder[rung]), rung))
+        if not options:  # nothing streams any more (cannot be slow then); stop rather than spin
+            break
+
+        def score(option: tuple[_Config, int], current: _Config = config) -> tuple[float, ...]:
+            candidate = option[0]
+            saved = current.step_s - candidate.step_s
+            added = candidate.memory - current.memory
+            if saved > 0 and added <= 0:
+                return (0.0, -saved, float(added))
+            if saved > 0:
+                return (1.0, -saved / added, float(added))
+            # Nothing saves time: take the cheapest move so the loop still climbs toward all-fit.
+            return (2.0, float(added), candidate.step_s)
+
+        config, rung = min(options, key=score)
+    return config
+
+
+def minimal_need_bytes(measurements: Measurements) -> tuple[int, int]:
+    """(bytes the smallest plan needs, bytes of its arena): everything streamed, two largest in flight."""
+    padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in measurements.units]
+    in_flight = min(DOUBLE_BUFFER * max(padded, default=0), sum(padded))
+    need = measurements.baseline_bytes + measurements.activation_peak_bytes + in_flight
+    return need, in_flight
+
+
+def plan_offload(measurements: Measurements, budget_bytes: int | None = None) -> Plan:
+    """Choose resident units and the arena size for ``measurements`` (see [Note: planner search]).
+
+    With ``budget_bytes``: the fastest simulated plan whose peak fits the budget, ties toward less
+    memory; raises BudgetError when even streaming everything through two of the largest units does not
+    fit. Without: the least memory whose step is within NO_BUDGET_SLOWDOWN of the all-resident time.
+    """
+    need, in_flight = minimal_need_bytes(measurements)
+    if budget_bytes is not None and budget_bytes < need:
+        short, needed = _format_bytes(budget_bytes), _format_bytes(need)
+        if short == needed:  # a few bytes short: without the bytes it would read "5.30 below 5.30"
+            short, needed = f"{short} ({budget_bytes} bytes)", f"{needed} ({need} bytes)"
+        raise BudgetError(
+            f"budget {short} is below the {needed} this model needs at this input: activations "
+            f"{_format_bytes(measurements.activation_peak_bytes)}, the two largest units in flight "
+            f"{_format_bytes(in_flight)}, weights that never stream "
+            f"{_format_bytes(measurements.baseline_bytes)}; raise the budget or offload more modules"
+        )
+    search = _Search(measurements)
+    if not measurements.units:
+        config = search.evaluate(frozenset(), None)
+    elif budget_bytes is None:
+        config = _search_no_budget(search)
+    else:
+        config = _search_budget(search, budget_bytes)
+    names = search.names
+    plan = Plan(
+        resident=tuple(names[i] for i in range(len(names)) if i in config.resident),
+        streamed=tuple(names[i] for i in range(len(names)) if i not in config.resident),
+        arena_bytes=config.arena,
+        budget_bytes=budget_bytes,
+    )
+    prediction = simulate(plan, measurements)
+    return Plan(
+        resident=plan.resident,
+        streamed=plan.streamed,
+        arena_bytes=plan.arena_bytes,
+        predicted_step_s=prediction.step_s,
+        predicted_peak_bytes=prediction.peak_bytes,
+        budget_bytes=budget_bytes,
+    )

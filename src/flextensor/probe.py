@@ -1,0 +1,277 @@
+"""``flextensor probe``: how fast this machine moves bytes between host and GPU, and how fast it pins.
+
+Measures, at each requested size, host-to-device and device-to-host copies from pinned and from pageable
+host memory (median of a few copies, timed with CUDA events), and how fast host memory can be page-locked:
+``cudaHostRegister`` on a fresh anonymous mapping, the way ``flextensor.offload`` pins each unit, and
+``torch.Tensor.pin_memory()``. Streaming speed is bounded by the first; the time ``offload()`` spends
+before the first forward, by the second.
+
+Needs CUDA; importing this module does not touch it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from .config import format_bytes
+from .errors import FlexTensorError
+from .progress import progress_bar
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import RenderableType
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "CopyMeasurement",
+    "NoCudaError",
+    "PinMeasurement",
+    "ProbeResult",
+    "measure_copy",
+    "measure_host_register",
+    "measure_pin_memory",
+    "run_probe",
+]
+
+DEFAULT_SIZES: tuple[int, ...] = (1 << 20, 16 << 20, 256 << 20)
+"""1 MiB (latency-bound), 16 MiB (a small layer) and 256 MiB (a large layer, at full link speed)."""
+
+DEFAULT_REPEATS = 5
+"""Copies per measurement after one warm-up; the median ignores a stray slow one."""
+
+PIN_REPEATS = 3
+"""Pinning is slower and steadier than copying: fewer repeats suffice."""
+
+Direction = Literal["host_to_device", "device_to_host"]
+
+
+class NoCudaError(FlexTensorError, RuntimeError):
+    """The probe was asked for on a machine (or a torch build) without a CUDA device."""
+
+
+@dataclass(frozen=True)
+class CopyMeasurement:
+    """One copy size in one direction from one kind of host memory. ``seconds``: median per copy."""
+
+    direction: Direction
+    pinned: bool
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Speed in GB/s (10^9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class PinMeasurement:
+    """Page-locking ``nbytes`` of host memory by ``method``. ``seconds``: median per call."""
+
+    method: str
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Bytes pinned per second, in GB/s."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Everything one probe measured; ``print`` it with rich, or ``to_dict`` it."""
+
+    device: str
+    device_name: str
+    copies: tuple[CopyMeasurement, ...]
+    pinning: tuple[PinMeasurement, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data, each measurement with its ``gbps``."""
+        return {
+            "device": self.device,
+            "device_name": self.device_name,
+            "copies": [{**asdict(c), "gbps": c.gbps} for c in self.copies],
+            "pinning": [{**asdict(p), "gbps": p.gbps} for p in self.pinning],
+        }
+
+    def __rich__(self) -> RenderableType:
+        from rich.console import Group
+        from rich.table import Table
+
+        copies = Table(
+            title=f"host <-> {self.device} ({self.device_name}) copies, GB/s", title_justify="left"
+        )
+        copies.add_column("size", justify="right")
+        kinds = [
+            ("host_to_device", True, "H2D pinned"),
+            ("host_to_device", False, "H2D pageable"),
+            ("device_to_host", True, "D2H pinned"),
+            ("device_to_host", False, "D2H pageable"),
+        ]
+        for _, _, label in kinds:
+            copies.add_column(label, justify="right")
+        by_key = {(c.direction, c.pinned, c.nbytes): c for c in self.copies}
+        for size in sorted({c.nbytes for c in self.copies}):
+            cells = []
+            for direction, pinned, _ in kinds:
+                found = by_key.get((direction, pinned, size))
+                cells.append("-" if found is None else f"{found.gbps:.1f}")
+            copies.add_row(format_bytes(size), *cells)
+
+        pinning = Table(title="pinning host memory", title_justify="left")
+        pinning.add_column("method")
+        pinning.add_column("size", justify="right")
+        pinning.add_column("ms", justify="right")
+        pinning.add_column("GB/s", justify="right")
+        for p in self.pinning:
+            pinning.add_row(p.method, format_bytes(p.nbytes), f"{p.seconds * 1e3:.1f}", f"{p.gbps:.2f}")
+        return Group(copies, pinning)
+
+
+def _cuda_device(device: str | torch.device) -> torch.device:
+    import torch
+
+    resolved = torch.device(device)
+    if resolved.type != "cuda":
+        raise NoCudaError(f"probe measures a CUDA device's link to the host; got device {str(device)!r}")
+    if not torch.cuda.is_available():
+        raise NoCudaError("no CUDA device: probe measures the host-device link")
+    if resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.index >= torch.cuda.device_count():
+        raise NoCudaError(f"no CUDA device {resolved}: this machine has {torch.cuda.device_count()}")
+    return resolved
+
+
+def measure_copy(
+    device: str | torch.device,
+    nbytes: int,
+    direction: Direction,
+    pinned: bool,
+    repeats: int = DEFAULT_REPEATS,
+) -> CopyMeasurement:
+    """Median time of one ``nbytes`` copy between host memory (pinned or pageable) and ``device``."""
+    import torch
+
+    dev = _cuda_device(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    host.fill_(1)  # touch every page, so page faults are not timed as copy time
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    src, dst = (host, gpu) if direction == "host_to_device" else (gpu, host)
+    stream = torch.cuda.current_stream(dev)
+    times = []
+    for i in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        dst.copy_(src, non_blocking=True)
+        end.record(stream)
+        end.synchronize()
+        if i:  # the first copy pays one-off costs (staging buffers, lazy init)
+            times.append(start.elapsed_time(end) / 1e3)
+    return CopyMeasurement(direction, pinned, nbytes, statistics.median(times))
+
+
+def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasurement:
+    """Median time to ``cudaHostRegister`` a fresh anonymous mapping of ``nbytes``, as offload() pins.
+
+    Each repeat maps new memory (huge pages advised, as flextensor's host store does), so page population
+    is part of the time, as it is when offload() pins a unit.
+    """
+    import torch
+
+    _cuda_device("cuda")
+    cudart = torch.cuda.cudart()
+    size = max(nbytes, mmap.PAGESIZE)
+    times = []
+    for _ in range(repeats):
+        mapping = mmap.mmap(-1, size)
+        if hasattr(mmap, "MADV_HUGEPAGE") and size >= 2 << 20:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+        begin = time.perf_counter()
+        err = int(cudart.cudaHostRegister(buffer.data_ptr(), size, 0))
+        elapsed = time.perf_counter() - begin
+        if err != 0:
+            del buffer
+            _close(mapping)
+            raise FlexTensorError(
+                f"cudaHostRegister of {format_bytes(size)} failed with CUDA error {err}; "
+                "check the memlock limit (ulimit -l)"
+            )
+        cudart.cudaHostUnregister(buffer.data_ptr())
+        del buffer
+        _close(mapping)
+        times.append(elapsed)
+    return PinMeasurement("cudaHostRegister (as offload pins)", size, statistics.median(times))
+
+
+def _close(mapping: mmap.mmap) -> None:
+    # A tensor still viewing the mapping keeps it exported; then it is unmapped when that tensor dies.
+    with contextlib.suppress(BufferError):
+        mapping.close()
+
+
+def measure_pin_memory(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasurement:
+    """Median time of ``tensor.pin_memory()`` on a pageable tensor of ``nbytes`` (allocation and copy)."""
+    import torch
+
+    _cuda_device("cuda")
+    source = torch.empty(nbytes, dtype=torch.uint8)
+    source.fill_(1)
+    # Without emptying torch's pinned-block cache, every call after the first reuses one block.
+    empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
+    times = []
+    for _ in range(repeats):
+        if empty_host_cache is not None:
+            empty_host_cache()
+        begin = time.perf_counter()
+        pinned = source.pin_memory()
+        elapsed = time.perf_counter() - begin
+        del pinned
+        times.append(elapsed)
+    return PinMeasurement("torch pin_memory()", nbytes, statistics.median(times))
+
+
+def run_probe(
+    device: str | torch.device = "cuda",
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = DEFAULT_REPEATS,
+) -> ProbeResult:
+    """Measure copies both ways, pinned and pageable, at every size, and pinning at the largest size.
+
+    Raises NoCudaError without a usable CUDA device. Shows a progress bar on stderr when it takes long
+    (see :mod:`flextensor.progress`).
+    """
+    import torch
+
+    dev = _cuda_device(device)
+    sizes = sorted(set(sizes))
+    if not sizes or sizes[0] <= 0:
+        raise FlexTensorError(f"probe sizes must be positive byte counts, got {list(sizes)}")
+    kinds: list[tuple[Direction, bool]] = [
+        ("host_to_device", True),
+        ("host_to_device", False),
+        ("device_to_host", True),
+        ("device_to_host", False),
+    ]
+    copies = []
+    pinning = []
+    with progress_bar("Probing the host-device link", len(sizes) * len(kinds) + 2) as bar:
+        for size in sizes:
+            for direction, pinned in kinds:
+                copies.append(measure_copy(dev, size, direction, pinned, repeats))
+                bar.advance(1)
+        with torch.cuda.device(dev):
+            pinning.append(measure_host_register(sizes[-1]))
+            bar.advance(1)
+            pinning.append(measure_pin_memory(sizes[-1]))
+            bar.advance(1)
+    return ProbeResult(str(dev), torch.cuda.get_device_name(dev), tuple(copies), tuple(pinning))

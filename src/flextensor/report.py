@@ -1,0 +1,321 @@
+"""``flextensor.report(model)``: where each unit's weights live and what streaming them cost, per unit.
+
+A report reads the step the engine already recorded (the first steady forward after each plan, or the
+one after ``flextensor.record_next_step(model)``): asking for one adds no work to any forward, and
+forwards pay nothing when no report is asked for. The numbers are device time, from events recorded on
+the compute and copy streams (host clock on CPU).
+
+Per unit, in execution order: bytes, resident or streamed, its arena range, compute time, time on the
+copy stream, and the exposed wait (how long its compute stalled on its copy). Totals: the measured step
+against the planner's prediction, bytes streamed per step and the speed achieved against the probed
+link, and the peak allocated against the prediction and the budget.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from .config import format_bytes
+from .errors import NotOffloadedError
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from torch import nn
+
+    from .engine import OffloadEngine
+    from .timeline import Timeline
+
+__all__ = ["Report", "UnitReport", "format_speed", "recorded_timeline", "report"]
+
+RENDER_WIDTH = 120
+"""Columns ``str(report)`` renders to: wide enough for unit paths of real models without wrapping."""
+
+_EN_DASH = "\u2013"
+"""Between the ends of an arena range ("arena 0.00\u20130.44 GiB"): a hyphen would read as a minus."""
+
+_EXPOSED_WAIT_SHARE = 0.01
+"""A unit whose wait exceeds this share of the step is highlighted: it is where the step loses time."""
+
+
+@dataclass(frozen=True)
+class UnitReport:
+    """One offload unit in the recorded step. Times in milliseconds; ``copy_ms`` None when not copied.
+
+    ``copy_ms`` sums this unit's copies issued during the step (a prefetch for the next step included).
+    ``wait_ms`` is the exposed wait: how long its compute waited for its copy. ``slot_start`` /
+    ``slot_end`` are its byte range in the arena, None for a resident unit.
+    """
+
+    name: str
+    nbytes: int
+    resident: bool
+    compute_ms: float
+    copy_ms: float | None
+    wait_ms: float
+    slot_start: int | None
+    slot_end: int | None
+
+    @property
+    def placement(self) -> str:
+        """``"resident"`` or ``"streamed"``."""
+        return "resident" if self.resident else "streamed"
+
+
+@dataclass(frozen=True)
+class Report:
+    """One recorded steady step of an offloaded model. Build it with :func:`report`.
+
+    ``units``: per-unit rows, in execution order. Times are milliseconds, sizes bytes, speeds GB/s
+    (10^9 bytes per second). ``link_gbps`` is the probed host-to-device speed at ``typical_unit_bytes``
+    (the median streamed unit); ``achieved_gbps`` is what this step's copies moved per second of copy
+    time. ``peak_allocated_bytes`` is None on CPU, where device allocations are not counted.
+    """
+
+    model: str
+    device: str
+    units: tuple[UnitReport, ...]
+    step_ms: float
+    predicted_step_ms: float
+    compute_ms: float
+    exposed_wait_ms: float
+    copy_ms: float
+    copies: int
+    streamed_bytes: int
+    typical_unit_bytes: int
+    achieved_gbps: float | None
+    link_gbps: float | None
+    arena_bytes: int
+    device_bytes_held: int
+    peak_allocated_bytes: int | None
+    predicted_peak_bytes: int
+    budget_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as plain JSON-ready data; each unit also gets ``placement`` and ``slot`` strings."""
+        data = asdict(self)
+        scale = _slot_scale(self.arena_bytes)
+        for row, unit in zip(data["units"], self.units, strict=True):
+            row["placement"] = unit.placement
+            row["slot"] = _slot(unit, scale)
+        return data
+
+    def __rich__(self) -> RenderableType:
+        from rich.console import Group
+
+        return Group(self._unit_table(), self._totals_table())
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def render(self, width: int = RENDER_WIDTH) -> str:
+        """The report as plain text (tables drawn with box characters, no colour)."""
+        from rich.console import Console
+
+        out = io.StringIO()
+        Console(file=out, width=width, color_system=None, force_terminal=False, no_color=True).print(self)
+        # rich pads every line to the table's width; the padding is noise in logs and diffs.
+        return "\n".join(line.rstrip() for line in out.getvalue().splitlines()) + "\n"
+
+    def print(self, console: Console | None = None) -> None:
+        """Print the report to ``console`` (default: a rich Console on stdout, in colour on a terminal)."""
+        from rich.console import Console
+
+        (console or Console()).print(self)
+
+    # -- rendering ------------------------------------------------------------------------------------------
+
+    def _unit_table(self) -> Any:
+        from rich.table import Table
+
+        table = Table(
+            title=f"flextensor: {self.model} on {self.device}, one recorded steady step",
+            title_justify="left",
+        )
+        table.add_column("#", justify="right", style="dim")
+        table.add_column("unit", overflow="fold")
+        table.add_column("bytes", justify="right")
+        table.add_column("placement")
+        table.add_column("slot")
+        table.add_column("compute ms", justify="right")
+        table.add_column("copy ms", justify="right")
+        table.add_column("wait ms", justify="right")
+        scale = _slot_scale(self.arena_bytes)
+        highlight = self.step_ms * _EXPOSED_WAIT_SHARE
+        for i, unit in enumerate(self.units):
+            wait = f"{unit.wait_ms:.3f}"
+            if unit.wait_ms > highlight and unit.wait_ms > 0:
+                wait = f"[bold red]{wait}[/]"
+            table.add_row(
+                str(i),
+                unit.name,
+                format_bytes(unit.nbytes),
+                unit.placement if unit.resident else f"[cyan]{unit.placement}[/]",
+                _slot(unit, scale),
+                f"{unit.compute_ms:.3f}",
+                "-" if unit.copy_ms is None else f"{unit.copy_ms:.3f}",
+                wait,
+            )
+        return table
+
+    def _totals_table(self) -> Any:
+        from rich.table import Table
+
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column()
+        off = _percent_off(self.step_ms, self.predicted_step_ms)
+        grid.add_row(
+            "step", f"{self.step_ms:.2f} ms measured, {self.predicted_step_ms:.2f} ms predicted{off}"
+        )
+        share = f" ({self.exposed_wait_ms / self.step_ms:.0%} of the step)" if self.step_ms > 0 else ""
+        waits = f"exposed waits {self.exposed_wait_ms:.2f} ms{share}"
+        grid.add_row("compute", f"{self.compute_ms:.2f} ms in units; {waits}")
+        streamed = f"{format_bytes(self.streamed_bytes)} per step in {self.copies} copies"
+        if self.achieved_gbps is not None:
+            streamed += f", {format_speed(self.achieved_gbps * 1e9)} achieved"
+        if self.link_gbps is not None:
+            link = format_speed(self.link_gbps * 1e9)
+            streamed += f"; link {link} at {format_bytes(self.typical_unit_bytes)}"
+            if self.achieved_gbps is not None and self.link_gbps > 0:
+                streamed += f" ({self.achieved_gbps / self.link_gbps:.0%})"
+        grid.add_row("streamed", streamed)
+        resident = self.device_bytes_held - self.arena_bytes
+        grid.add_row(
+            "held",
+            f"{format_bytes(self.device_bytes_held)} for units: arena {format_bytes(self.arena_bytes)} + "
+            f"resident units {format_bytes(resident)}",
+        )
+        budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
+        if self.peak_allocated_bytes is None:
+            peak = f"not measured on {self.device}; predicted {format_bytes(self.predicted_peak_bytes)}"
+        else:
+            peak = (
+                f"{format_bytes(self.peak_allocated_bytes)} allocated, predicted "
+                f"{format_bytes(self.predicted_peak_bytes)}"
+            )
+        grid.add_row("peak", f"{peak}; {budget}")
+        return grid
+
+
+def format_speed(bytes_per_s: float) -> str:
+    """``"24.1 GB/s"``; below 0.1 GB/s in MB/s (a CPU stand-in "link" under load), so it never reads 0.0."""
+    if bytes_per_s >= 1e8:
+        return f"{bytes_per_s / 1e9:.1f} GB/s"
+    return f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
+def _percent_off(measured: float, predicted: float) -> str:
+    if predicted <= 0:
+        return ""
+    return f" ({(measured - predicted) / predicted:+.0%})"
+
+
+def _slot_scale(arena_bytes: int) -> tuple[str, int]:
+    """One unit for every slot of a report, picked by the arena's size, so ranges line up."""
+    for name, factor in (("GiB", 2**30), ("MiB", 2**20)):
+        if arena_bytes >= factor:
+            return name, factor
+    return "KiB", 2**10
+
+
+def _slot(unit: UnitReport, scale: tuple[str, int]) -> str:
+    if unit.slot_start is None or unit.slot_end is None:
+        return "resident"
+    name, factor = scale
+    return f"arena {unit.slot_start / factor:.2f}{_EN_DASH}{unit.slot_end / factor:.2f} {name}"
+
+
+def recorded_timeline(engine: OffloadEngine) -> Timeline:
+    """The engine's latest recorded steady step; NotOffloadedError if there is none for the current plan.
+
+    Shared by :func:`report` and :func:`flextensor.trace`.
+    """
+    from .engine import Phase
+
+    recording = engine.last_recording
+    if engine.phase is not Phase.INFERENCE or recording is None or engine.plan is None:
+        raise NotOffloadedError(
+            f"no steady-state step recorded yet (the model is in its {engine.phase.value} phase): run one "
+            "forward in steady state first (flextensor.phase(model) == 'inference')"
+        )
+    timeline = recording.timeline()
+    for unit in timeline.units:
+        state = engine.units.get(unit.unit)
+        if state is not None and state.resident != unit.resident:
+            # The inputs changed and another plan is in force; its first step has not been recorded.
+            raise NotOffloadedError(
+                "the recorded step ran under an earlier plan: call flextensor.record_next_step(model) and "
+                "run one forward, then ask again"
+            )
+    return timeline
+
+
+def report(model: nn.Module) -> Report:
+    """Per-unit placement and timing of ``model``'s latest recorded steady step, with totals.
+
+    The first steady forward after each plan is recorded automatically; call
+    ``flextensor.record_next_step(model)`` and run a forward to report on a later one. Raises
+    NotOffloadedError when the model is not offloaded, or has not run a steady forward yet.
+    """
+    from .api import _engine
+
+    engine = _engine(model)
+    timeline = recorded_timeline(engine)
+    assert engine.plan is not None
+
+    copy_ms: dict[str, float] = {}
+    busy_s = 0.0
+    for name, start, end in timeline.copies:
+        copy_ms[name] = copy_ms.get(name, 0.0) + (end - start) * 1e3
+        busy_s += end - start
+
+    arena = engine.arena
+    rows = []
+    for unit in timeline.units:
+        state = engine.units.get(unit.unit)
+        start = end = None
+        if not unit.resident and state is not None and state.storage is not None and arena is not None:
+            # Streamed storage is a view into the arena: its offset there is its slot.
+            start = state.storage.data_ptr() - arena.data_ptr()
+            end = start + unit.nbytes
+        rows.append(
+            UnitReport(
+                name=unit.unit,
+                nbytes=unit.nbytes,
+                resident=unit.resident,
+                compute_ms=unit.compute_s * 1e3,
+                copy_ms=copy_ms.get(unit.unit),
+                wait_ms=unit.wait_s * 1e3,
+                slot_start=start,
+                slot_end=end,
+            )
+        )
+
+    streamed_sizes = [u.nbytes for u in engine.units.values() if not u.resident]
+    sizes = streamed_sizes or [u.nbytes for u in engine.units.values()]
+    typical = int(statistics.median(sizes)) if sizes else 0
+    link = engine.measurements.link if engine.measurements is not None else engine.link
+    plan = engine.plan
+    return Report(
+        model=type(model).__name__,
+        device=str(engine.runtime.device),
+        units=tuple(rows),
+        step_ms=timeline.step_s * 1e3,
+        predicted_step_ms=plan.predicted_step_s * 1e3,
+        compute_ms=sum(u.compute_s for u in timeline.units) * 1e3,
+        exposed_wait_ms=timeline.exposed_wait_s * 1e3,
+        copy_ms=busy_s * 1e3,
+        copies=len(timeline.copies),
+        streamed_bytes=timeline.streamed_bytes,
+        typical_unit_bytes=typical,
+        achieved_gbps=timeline.streamed_bytes / busy_s / 1e9 if busy_s > 0 else None,
+        link_gbps=link.bytes_per_s(typical) / 1e9 if link is not None and typical > 0 else None,
+        arena_bytes=0 if arena is None else arena.numel(),
+        device_bytes_held=engine.device_bytes_held(),
+        peak_allocated_bytes=timeline.peak_allocated_bytes if engine.runtime.is_cuda else None,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        budget_bytes=engine.budget_bytes,
+    )

@@ -1,0 +1,387 @@
+"""Predict a plan's step time and peak memory: an event-level model of the compute and copy streams.
+
+Pure: no torch, no CUDA. The planner searches against this model; the engine is what it models.
+
+[Note: what the simulator models]
+Units run in execution order on the compute stream. Before unit ``i`` there are ``gap_before_s`` seconds
+of other compute, after the last unit ``tail_s``. Resident units never wait. Streamed units live in the
+arena at their ring-layout ranges (see [Note: ring layout] in layout.py); their copies run FIFO on one
+copy stream:
+
+* the copy for streamed position ``k`` is issued right after position ``ready_after[k]``'s compute is
+  issued (its post-hook), nearest positions first, and starts on the device at
+  ``max(copy stream free, end of that compute)``: the copy stream waits on that compute's event;
+* when ``ready_after[k]`` comes later in the order than ``k``, the copy is for the *next* forward: it is
+  issued in this step and hides under this step's tail (cross-step prefetch);
+* when ``ready_after[k]`` is None the unit's range is never overwritten: it is copied once, ever;
+* a unit's compute starts at ``max(previous compute end + gap, end of its copy)``.
+
+A cold step (the first one, or every step when ``cyclic=False``) starts with an empty arena: the copies
+that no earlier compute of the step issues (``ready_after`` None or later in the order) are issued at the
+step's start, in execution order, once the previous step has ended.
+
+The host is assumed to run ahead of the device (no host-side syncs), so only device-side dependencies
+order events. Every event time is a max of sums of earlier ones, so one pass per step suffices:
+O(steps x units) after the layout.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from .layout import UNIT_ALIGNMENT, align_up
+from .measurements import Measurements
+
+if TYPE_CHECKING:  # planner.py imports this module: a runtime import would be circular
+    from .planner import Plan
+
+DEFAULT_STEPS = 3
+"""Forwards simulated: a cold one, one whose prefetches come from a cold one, and a steady one."""
+
+
+@dataclass(frozen=True)
+class UnitTimeline:
+    """One unit in the steady step. Times are seconds from that step's start.
+
+    ``copy_start_s`` / ``copy_end_s``: the copy this step's compute consumes (it may start before the
+    step, during the previous step's tail), or None for a resident unit or one that is never reloaded.
+    ``wait_s``: how long the unit's compute stalled on its copy. ``slot_offset``: the unit's first byte in
+    the arena, None for a resident unit.
+    """
+
+    name: str
+    resident: bool
+    nbytes: int
+    copy_start_s: float | None
+    copy_end_s: float | None
+    compute_start_s: float
+    compute_end_s: float
+    wait_s: float
+    slot_offset: int | None
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The simulator's prediction for one plan, measured on the last (steady) of the simulated steps.
+
+    ``step_s``: device time of one step. ``peak_bytes``: the step's peak allocated device memory.
+    ``streamed_bytes``: bytes copied host-to-device per step. ``compute_s``: the step's compute and gaps
+    and tail (its time with every weight already there). ``exposed_wait_s``: total time compute stalled on
+    copies; ``step_s == compute_s + exposed_wait_s`` up to rounding.
+    """
+
+    step_s: float
+    peak_bytes: int
+    streamed_bytes: int
+    compute_s: float
+    exposed_wait_s: float
+    units: tuple[UnitTimeline, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "step_s": self.step_s,
+            "peak_bytes": self.peak_bytes,
+            "streamed_bytes": self.streamed_bytes,
+            "compute_s": self.compute_s,
+            "exposed_wait_s": self.exposed_wait_s,
+            "units": [u.to_dict() for u in self.units],
+        }
+
+
+def peak_bytes(measurements: Measurements, resident_nbytes: Sequence[int], arena_bytes: int) -> int:
+    """Steady-state peak: what flextensor does not plan, resident units, the arena and activations.
+
+    Resident units are rounded up to the arena's alignment: the engine packs each unit in its own
+    aligned buffer, so this is what they really take.
+    """
+    resident = sum(align_up(n, UNIT_ALIGNMENT) for n in resident_nbytes)
+    return measurements.baseline_bytes + resident + arena_bytes + measurements.activation_peak_bytes
+
+
+@dataclass
+class _Trace:
+    """Raw result of one run of the two-stream model: the reported (steady) step, in absolute times."""
+
+    step_start: float
+    step_s: float
+    compute_start: list[float]
+    compute_end: list[float]
+    wait: list[float]
+    copy_start: list[float | None]  # per streamed position: the copy the steady step consumes
+    copy_end: list[float | None]
+    copied: list[bool]  # per streamed position: copied in steady state (not loaded once for good)
+    gain: list[float] | None  # per streamed position: see _run's want_gain
+
+
+def _ring_ready_after(sizes: Sequence[int], arena_bytes: int) -> tuple[int | None, ...]:
+    """``ring_layout(...).ready_after`` for these sizes, without its all-pairs conflict table.
+
+    The planner simulates hundreds of layouts; ring_layout's O(units^2) conflict table dominated its
+    time. Units of one lap (between two wraps to offset 0) are laid end to end, so they never overlap
+    each other, and within a lap both offsets and ends are sorted: the last unit of a lap overlapping a
+    range is found by bisection. Scanning laps backward from the unit's own finds the nearest conflict.
+    tests/test_simulator.py checks this agrees with ring_layout.
+    """
+    padded = [align_up(s, UNIT_ALIGNMENT) for s in sizes]
+    n = len(padded)
+    offsets: list[int] = []
+    lap_of: list[int] = []
+    laps: list[list[int]] = []  # positions of each lap, in order
+    lap_offsets: list[list[int]] = []
+    cursor = 0
+    for k, size in enumerate(padded):
+        if cursor + size > arena_bytes or not laps:
+            if laps:
+                cursor = 0
+            laps.append([])
+            lap_offsets.append([])
+        offsets.append(cursor)
+        lap_of.append(len(laps) - 1)
+        laps[-1].append(k)
+        lap_offsets[-1].append(cursor)
+        cursor += size
+    ready: list[int | None] = []
+    for k in range(n):
+        lo, hi = offsets[k], offsets[k] + padded[k]
+        found: int | None = None
+        own = lap_of[k]
+        for step in range(1, len(laps)):
+            lap = (own - step) % len(laps)
+            # Last unit of the lap starting before ``hi``; ends are sorted, so if it ends at or before
+            # ``lo`` no unit of this lap overlaps.
+            idx = bisect.bisect_left(lap_offsets[lap], hi) - 1
+            if idx >= 0:
+                j = laps[lap][idx]
+                if offsets[j] + padded[j] > lo:
+                    found = j
+                    break
+        ready.append(found)
+    return tuple(ready)
+
+
+def _prefetch_lists(ready_after: Sequence[int | None]) -> list[list[int]]:
+    """For each position, the positions whose copies its post-hook issues, nearest first."""
+    n = len(ready_after)
+    lists: list[list[int]] = [[] for _ in range(n)]
+    for k, j in enumerate(ready_after):
+        if j is not None:
+            lists[j].append(k)
+    for j in range(n):
+        if len(lists[j]) > 1:
+            lists[j].sort(key=lambda k, j=j: (k - j) % n)
+    return lists
+
+
+def _run(
+    compute: Sequence[float],
+    gaps: Sequence[float],
+    tail: float,
+    position: Sequence[int],
+    copy_s: Sequence[float],
+    ready_after: Sequence[int | None],
+    prefetch: Sequence[Sequence[int]],
+    steps: int,
+    cyclic: bool,
+    want_gain: bool = False,
+) -> _Trace:
+    """Simulate ``steps`` forwards of the two streams (see [Note: what the simulator models]).
+
+    ``position[i]`` is unit ``i``'s streamed position or -1 when it is resident; ``copy_s``,
+    ``ready_after`` and ``prefetch`` are indexed by streamed position. The trace is of the last step.
+
+    With ``want_gain``, also estimate per streamed position how much the step would shorten if that unit
+    were resident: a copy delays the compute waiting on it and, through the FIFO, every copy queued
+    back-to-back behind it; so the estimate is ``min(copy time, waits downstream in its back-to-back
+    run)``. One more step is simulated so that a run crossing into the next step counts the waits it
+    causes there: without it, copies late in the step would look harmless and the planner would keep
+    picking early units. It is a ranking hint for the planner, which simulates the real effect; the
+    reported step is unchanged (later steps cannot affect earlier ones).
+    """
+    n_units = len(compute)
+    n = len(copy_s)
+    report = steps - 1
+    total = steps + 1 if want_gain else steps
+    unit_of = [0] * n
+    for i, k in enumerate(position):
+        if k >= 0:
+            unit_of[k] = i
+    copy_free = 0.0
+    t = 0.0
+    cur_start: list[float | None] = [None] * n
+    cur_end: list[float | None] = [None] * n
+    nxt_start: list[float | None] = [None] * n
+    nxt_end: list[float | None] = [None] * n
+    wait = [0.0] * n_units
+    result: _Trace | None = None
+    # For the gain estimate: copy events from the step before the reported one on, in FIFO order, as
+    # (position, consumer step, queued back-to-back behind the previous copy); and those steps' waits.
+    events: list[tuple[int, int, bool]] = []
+    waits: dict[int, list[float]] = {}
+    for s in range(total):
+        cstart = [0.0] * n_units
+        cend = [0.0] * n_units
+        wait = [0.0] * n_units
+        record = want_gain and s >= report - 1
+        if s == 0 or not cyclic:
+            cur_start = [None] * n
+            cur_end = [None] * n
+            for k in range(n):
+                j = ready_after[k]
+                if j is None or j > k:
+                    # Arena empty at a cold start: nothing to wait for but the previous step's end.
+                    start = copy_free if copy_free > t else t
+                    if record:
+                        events.append((k, s, copy_free > t))
+                    copy_free = start + copy_s[k]
+                    cur_start[k] = start
+                    cur_end[k] = copy_free
+        else:
+            cur_start, cur_end = nxt_start, nxt_end
+        nxt_start = [None] * n
+        nxt_end = [None] * n
+        prev = t
+        for i in range(n_units):
+            ready = prev + gaps[i]
+            start = ready
+            k = position[i]
+            if k >= 0:
+                done = cur_end[k]
+                if done is not None and done > start:
+                    start = done
+            cstart[i] = start
+            wait[i] = start - ready
+            prev = start + compute[i]
+            cend[i] = prev
+            if k >= 0:
+                for q in prefetch[k]:
+                    if q < k and not cyclic:
+                        continue  # no cross-step prefetch: the next step starts cold
+                    begin = copy_free if copy_free > prev else prev
+                    if record:
+                        events.append((q, s if q > k else s + 1, copy_free > prev))
+                    copy_free = begin + copy_s[q]
+                    if q > k:
+                        cur_start[q] = begin
+                        cur_end[q] = copy_free
+                    else:
+                        nxt_start[q] = begin
+                        nxt_end[q] = copy_free
+        step_end = prev + tail
+        if record:
+            waits[s] = wait
+        if s == report:
+            result = _Trace(
+                step_start=t,
+                step_s=step_end - t,
+                compute_start=cstart,
+                compute_end=cend,
+                wait=wait,
+                copy_start=cur_start,
+                copy_end=cur_end,
+                copied=[j is not None for j in ready_after] if cyclic else [True] * n,
+                gain=None,
+            )
+        t = step_end
+    assert result is not None
+    if want_gain:
+        gain = [0.0] * n
+        downstream = 0.0
+        chained_to_previous = False
+        for k, consumer, chained in reversed(events):
+            here = downstream if chained_to_previous else 0.0
+            if consumer in (report, report + 1):
+                here += waits[consumer][unit_of[k]]
+            if consumer == report:
+                g = min(copy_s[k], here)
+                if g > gain[k]:
+                    gain[k] = g
+            downstream = here
+            chained_to_previous = chained
+        result.gain = gain
+    return result
+
+
+def _check_plan(plan: Plan, measurements: Measurements) -> None:
+    names = [u.name for u in measurements.units]
+    known = set(names)
+    resident, streamed = set(plan.resident), set(plan.streamed)
+    if len(streamed) != len(plan.streamed) or len(resident) != len(plan.resident):
+        raise ValueError("a plan lists a unit twice")
+    if resident & streamed:
+        raise ValueError(f"units both resident and streamed: {sorted(resident & streamed)}")
+    unknown = (resident | streamed) - known
+    if unknown:
+        raise ValueError(f"the plan names units the measurements do not have: {sorted(unknown)}")
+    missing = known - resident - streamed
+    if missing:
+        raise ValueError(f"the plan places no entry for units {sorted(missing)}")
+    if list(plan.streamed) != [n for n in names if n in streamed]:
+        raise ValueError("plan.streamed must list the streamed units in execution order")
+
+
+def simulate(
+    plan: Plan, measurements: Measurements, *, steps: int = DEFAULT_STEPS, cyclic: bool = True
+) -> Simulation:
+    """Simulate ``steps`` consecutive forwards under ``plan`` and report the last (steady) one.
+
+    ``cyclic=False`` models forwards that each start with an empty arena and no cross-step prefetch.
+    Raises ValueError when the plan does not place every measured unit exactly once, or when the arena
+    cannot hold its largest streamed unit.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    _check_plan(plan, measurements)
+    units = measurements.units
+    sizes = {u.name: u.nbytes for u in units}
+    layout = plan.layout(sizes)
+    pos_of = {name: k for k, name in enumerate(layout.order)}
+    position = [pos_of.get(u.name, -1) for u in units]
+    link = measurements.link
+    copy_s = [link.copy_s(n) for n in layout.sizes]
+    trace = _run(
+        [u.compute_s for u in units],
+        [u.gap_before_s for u in units],
+        measurements.tail_s,
+        position,
+        copy_s,
+        layout.ready_after,
+        layout.prefetch_after,
+        steps,
+        cyclic,
+    )
+    t0 = trace.step_start
+    timelines = []
+    for i, u in enumerate(units):
+        k = position[i]
+        cs = ce = None
+        if k >= 0 and trace.copied[k]:
+            start, end = trace.copy_start[k], trace.copy_end[k]
+            cs = None if start is None else start - t0
+            ce = None if end is None else end - t0
+        timelines.append(
+            UnitTimeline(
+                name=u.name,
+                resident=k < 0,
+                nbytes=u.nbytes,
+                copy_start_s=cs,
+                copy_end_s=ce,
+                compute_start_s=trace.compute_start[i] - t0,
+                compute_end_s=trace.compute_end[i] - t0,
+                wait_s=trace.wait[i],
+                slot_offset=None if k < 0 else layout.offsets[k],
+            )
+        )
+    return Simulation(
+        step_s=trace.step_s,
+        peak_bytes=peak_bytes(measurements, [sizes[name] for name in plan.resident], plan.arena_bytes),
+        streamed_bytes=sum(n for n, c in zip(layout.sizes, trace.copied, strict=True) if c),
+        compute_s=measurements.compute_s,
+        exposed_wait_s=sum(trace.wait),
+        units=tuple(timelines),
+    )

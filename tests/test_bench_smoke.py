@@ -1,0 +1,165 @@
+"""CPU smoke test of the benchmark suite, so it cannot rot between GPU runs.
+
+The tiny workloads run through exactly the path the GPU runs take: ``python -m benchmarks.run`` starts
+one worker process per method, native first, compares every output with native's and writes one JSON
+file per workload. The three invocations run at the same time to stay well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `benchmarks` is a folder of the repo, not an installed package
+
+from benchmarks.methods import parse_bytes, parse_method  # noqa: E402
+from benchmarks.report import format_table, render  # noqa: E402
+from benchmarks.run import launch  # noqa: E402
+
+for _pkg in ("transformers", "diffusers", "accelerate", "safetensors"):
+    pytest.importorskip(_pkg, reason=f"the benchmark workloads need {_pkg} (pip install -e '.[test]')")
+
+# Every method that runs on a CPU at least once (each worker costs ~5 s of imports, so not every pair);
+# flextensor 0.5.0 is listed to check its recorded skip: it needs CUDA.
+RUNS = {
+    "wan_tiny": "native,ours,diffusers_group,flextensor050",
+    "llama_tiny": "native,ours,accelerate",
+    "llama_tiny_decode": "native,ours,diffusers_group:model",
+}
+DOC_FIELDS = {
+    "schema",
+    "workload",
+    "description",
+    "device",
+    "created",
+    "link",
+    "settings",
+    "reference",
+    "runs",
+}
+RUN_FIELDS = {
+    "workload", "method", "method_spec", "family", "device", "status", "complete", "versions",
+    "weights_bytes", "load_s", "setup_s", "warmup_forwards", "warmup_s", "steady", "phase",
+    "steps", "step_times_s", "step_s", "ratio_to_native", "repeatable", "reference",
+    "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "host_rss_peak_bytes", "host_rss_steady_bytes",
+    "bytes_streamed_per_step", "bytes_streamed_source", "streamed_GBps",
+    "output_match", "output_finite", "output_shape", "output_dtype", "wall_s",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench-results")
+    env = dict(os.environ, FT_BENCH_CACHE=str(tmp_path_factory.mktemp("bench-cache")))
+    procs = {}
+    for workload, methods in RUNS.items():
+        cmd = [sys.executable, "-m", "benchmarks.run", "--workload", workload, "--methods", methods]
+        cmd += [
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--threads",
+            "1",
+            "--min-steps",
+            "3",
+            "--max-steps",
+            "3",
+        ]
+        procs[workload] = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    docs = {}
+    for workload, proc in procs.items():
+        text, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, text[-3000:]
+        line = next(x for x in text.splitlines() if x.startswith("RESULT_FILE="))
+        docs[workload] = json.loads(Path(line.split("=", 1)[1]).read_text())
+    return docs
+
+
+@pytest.mark.parametrize("workload", list(RUNS))
+def test_every_method_recorded_with_every_field(results: dict[str, dict[str, Any]], workload: str) -> None:
+    doc = results[workload]
+    assert doc.keys() >= DOC_FIELDS | {"runs"}
+    assert doc["reference"] == "native" and doc["link"] is None  # no link probe on a CPU
+    assert [r["method_spec"] for r in doc["runs"]] == RUNS[workload].split(",")
+    for r in doc["runs"]:
+        if r["status"] != "ok":
+            continue
+        missing = RUN_FIELDS - r.keys()
+        assert not missing, f"{r['method']}: missing {sorted(missing)}"
+        assert r["steady"] and r["steps"] == 3 and len(r["step_times_s"]) == 3 and r["step_s"] > 0
+        assert r["repeatable"] and r["output_finite"]
+        assert r["weights_bytes"] > 0 and r["host_rss_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("workload", list(RUNS))
+def test_outputs_match_native_bitwise(results: dict[str, dict[str, Any]], workload: str) -> None:
+    runs = {r["method_spec"]: r for r in results[workload]["runs"]}
+    native = runs["native"]
+    assert (
+        native["status"] == "ok" and native["output_match"] == "reference" and native["ratio_to_native"] == 1
+    )
+    for spec, r in runs.items():
+        if r["status"] == "ok" and spec != "native":
+            assert r["output_match"] == "bitwise", f"{spec}: {r['output_match']} {r.get('max_abs_diff')}"
+
+
+@pytest.mark.parametrize("workload", list(RUNS))
+def test_ours_runs_and_reaches_steady_state(results: dict[str, dict[str, Any]], workload: str) -> None:
+    for r in results[workload]["runs"]:
+        if r["family"] != "ours":
+            continue
+        assert r["status"] == "ok", f"{r['method']}: {r.get('reason')}\n{r.get('log_tail', '')}"
+        assert r["phase"] == "inference"
+        assert r["bytes_streamed_per_step"] > 0 and r["bytes_streamed_source"] in ("report", "plan")
+        assert r["impl_file"].startswith(str(REPO / "src")), r["impl_file"]
+
+
+def test_skips_are_recorded_not_fatal(results: dict[str, dict[str, Any]]) -> None:
+    wan = {r["method_spec"]: r for r in results["wan_tiny"]["runs"]}
+    assert wan["flextensor050"]["status"] == "skipped" and "CUDA" in wan["flextensor050"]["reason"]
+    others = [r for doc in results.values() for r in doc["runs"] if r["family"] != "flextensor050"]
+    assert all(r["status"] == "ok" for r in others), [(r["method"], r.get("reason")) for r in others]
+
+
+def test_a_hanging_worker_is_killed_at_its_timeout(tmp_path: Path) -> None:
+    # The path a hanging method takes, without paying for a real worker's imports.
+    cmd = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+           "'import time; time.sleep(60)']); time.sleep(60)"]  # fmt: skip
+    rc, wall = launch(cmd, dict(os.environ), 1.0, tmp_path / "log")
+    assert rc is None and wall < 10
+
+
+def test_report_renders_tables_and_plots(results: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    docs = list(results.values())
+    table = format_table(docs[0])
+    assert len(table) == 2 + len(docs[0]["runs"]) and "`ours`" in "\n".join(table)
+    text = render(docs, tmp_path / "img", tmp_path / "benchmarks.md")
+    for workload in RUNS:
+        assert f"### `{workload}`" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return  # tables only: plots are optional where matplotlib is missing
+    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == sorted(f"{w}-cpu.png" for w in RUNS)
+
+
+def test_method_specs_and_sizes_parse() -> None:
+    ms = parse_method("ours_budget:5.7GiB/timeout=90/max_steps=3")
+    assert (ms.name, ms.arg, ms.label, ms.family) == ("ours_budget", "5.7GiB", "ours_budget:5.7GiB", "ours")
+    assert ms.option("timeout", 1.0) == 90.0 and ms.option("min_steps", 3) == 3
+    assert parse_method("native_ref").family == "native"
+    assert parse_method("flextensor050_frac:0.05").family == "flextensor050"
+    assert parse_bytes("5.7GiB") == int(5.7 * 2**30) and parse_bytes("24 GB") == 24 * 10**9
+    for bad in ("nope", "ours_budget", "ours/steps=3"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
