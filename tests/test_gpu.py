@@ -93,6 +93,9 @@ def test_steady_peak_is_well_under_native() -> None:
     peak = torch.cuda.max_memory_allocated()
     assert torch.equal(out, ref)
     assert peak < 0.5 * native_peak, (peak, native_peak)
+    assert peak <= 600 * 2**20, "the budget is a bound on the steady step's peak"
+    plan = model._flextensor_engine.plan
+    assert abs(plan.predicted_peak_bytes - peak) <= 0.03 * peak, (plan.predicted_peak_bytes, peak)
     flextensor.release(model)
 
 

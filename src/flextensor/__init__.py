@@ -30,8 +30,8 @@ from .errors import (
     SelectionError,
 )
 from .log import configure_logging
-from .report import report
-from .trace import trace
+from .reporting import report
+from .tracing import trace
 
 __version__ = "0.1.0"
 

@@ -14,6 +14,7 @@ from .config import OffloadConfig
 from .engine import OffloadEngine, Phase, UnitState, provisional_arena_bytes
 from .errors import AlreadyOffloadedError, NotOffloadedError
 from .host_store import UnitPack, pack_unit
+from .progress import progress_bar
 from .runtime import DeviceRuntime
 from .selection import Selection, select
 
@@ -64,7 +65,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         setattr(model, _ENGINE_ATTR, engine)
         rollback.commit()
     logger.info(
-        "flextensor: offloaded %d unit(s), %.2f GiB streamed from %s host memory to %s",
+        "offloaded %d unit(s), %.2f GiB streamed from %s host memory to %s",
         len(units),
         sum(u.nbytes for u in units) / 2**30,
         "pinned" if pin and runtime.is_cuda else "pageable",
@@ -93,20 +94,26 @@ class _Rollback:
     def pack_units(self, pin: bool) -> list[UnitState]:
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
-        for name in self.selection.units:
-            named = [(fqn, params[fqn]) for fqn in self.selection.unit_parameters[name]]
-            pack = pack_unit(name, named, pin)
-            self.packs.append(pack)
-            self.units.append(
-                UnitState(
-                    name=name,
-                    module=modules[name],
-                    pack=pack,
-                    parameters=[(fqn, p, e) for (fqn, p), e in zip(named, pack.entries, strict=True)],
-                    copy_done=self.runtime.event(),
-                    compute_done=self.runtime.event(),
+        total = sum(
+            params[f].numel() * params[f].element_size() for f in self.selection.streamed_parameters()
+        )
+        what = "Packing and pinning weights" if pin else "Packing weights"
+        with progress_bar(what, total=total, unit="bytes") as bar:
+            for name in self.selection.units:
+                named = [(fqn, params[fqn]) for fqn in self.selection.unit_parameters[name]]
+                pack = pack_unit(name, named, pin)
+                self.packs.append(pack)
+                self.units.append(
+                    UnitState(
+                        name=name,
+                        module=modules[name],
+                        pack=pack,
+                        parameters=[(fqn, p, e) for (fqn, p), e in zip(named, pack.entries, strict=True)],
+                        copy_done=self.runtime.event(),
+                        compute_done=self.runtime.event(),
+                    )
                 )
-            )
+                bar.advance(sum(e.nbytes for e in pack.entries))
         return self.units
 
     def move_resident_to(self, device: torch.device) -> None:

@@ -189,7 +189,7 @@ def _versus(plan: Plan, measurements: Measurements) -> str:
 
 
 def _measurement_summary(measurements: Measurements) -> Any:
-    from .report import format_speed
+    from .reporting import format_speed
 
     grid = _grid("measurements")
     grid.add_row("compute", f"{measurements.compute_s * 1e3:.2f} ms per step with every weight resident")
@@ -383,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     demo.add_argument("--layers", type=int, default=None, help="layers (default: 8 on CPU, 24 on CUDA)")
     demo.add_argument("--hidden", type=int, default=None, help="hidden size (default: 512 CPU, 2048 CUDA)")
-    demo.add_argument("--seq", type=int, default=None, help="input length (default: 128 CPU, 1024 CUDA)")
+    demo.add_argument("--seq", type=int, default=None, help="input length (default: 128 CPU, 4096 CUDA)")
     demo.add_argument("--steps", type=int, default=3, help="timed steady steps (default: 3)")
     demo.add_argument(
         "--budget", default=None, help="device memory budget, e.g. 1GiB (default: the planner's choice)"

@@ -437,7 +437,7 @@ class OffloadEngine:
                 param.data = unit.pack.view(entry).to(self.runtime.device, copy=True)
                 del unit.parameters[i]
                 self.resident_parameters[fqn] = reason
-                logger.info("flextensor: keeping %s resident: %s", fqn, reason)
+                logger.info("keeping %s resident: %s", fqn, reason)
                 return
 
     def _end_discovery_forward(self) -> None:
@@ -449,7 +449,7 @@ class OffloadEngine:
         idle = [u for u in self.units if u not in self.order]
         if idle:
             logger.info(
-                "flextensor: %d unit(s) never ran in discovery; they load on demand: %s",
+                "%d unit(s) never ran in discovery; they load on demand: %s",
                 len(idle),
                 ", ".join(idle[:5]),
             )
@@ -482,7 +482,7 @@ class OffloadEngine:
         self._set_phase(Phase.INFERENCE)
         self._record_next = True  # the first steady step is recorded for report() and trace()
         logger.info(
-            "flextensor: plan: %d unit(s) streamed, %d resident, arena %.2f GiB, predicted step %.1f ms, "
+            "plan: %d unit(s) streamed, %d resident, arena %.2f GiB, predicted step %.1f ms, "
             "predicted peak %.2f GiB%s",
             len(plan.streamed),
             len(plan.resident),
@@ -501,14 +501,14 @@ class OffloadEngine:
                 self.measurements, self.plan = known.measurements, known.plan
                 self.apply_layout(list(known.plan.streamed), known.plan.resident, known.plan.arena_bytes)
             return
-        logger.info("flextensor: new input shapes %s: profiling them and re-planning", ", ".join(shapes))
+        logger.info("new input shapes %s: profiling them and re-planning", ", ".join(shapes))
         self.apply_layout(self.order, (), provisional_arena_bytes([self.units[u].nbytes for u in self.order]))
         self._set_phase(Phase.PROFILING)
         self._profiler = StepProfiler(self.runtime)
         self._profiler.begin_step()
 
     def _set_phase(self, phase: Phase) -> None:
-        logger.info("flextensor: %s -> %s after %d forward(s)", self.phase.value, phase.value, self.forwards)
+        logger.info("%s -> %s after %d forward(s)", self.phase.value, phase.value, self.forwards)
         self.phase = phase
 
     # -- release ------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def configure_logging(environ: Mapping[str, str] | None = None) -> logging.Logge
     level = _parse_level(raw)
     # sys.stderr is looked up per record, not bound now, so pytest's capsys and redirections see it.
     stream = _StderrHandler()
-    stream.setFormatter(_Formatter(LOG_FORMAT))
+    stream.setFormatter(logging.Formatter(LOG_FORMAT))
     setattr(stream, _OURS, True)
     logger.addHandler(stream)
     logger.setLevel(logging.WARNING if level is None else level)
@@ -80,14 +80,6 @@ def configure_logging(environ: Mapping[str, str] | None = None) -> logging.Logge
             ", ".join(_LEVELS),
         )
     return logger
-
-
-class _Formatter(logging.Formatter):
-    """LOG_FORMAT, minus a ``flextensor:`` prefix some messages carry (already in the format)."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        line = super().formatMessage(record)
-        return line.replace(": flextensor: ", ": ", 1)
 
 
 class _StderrHandler(logging.StreamHandler):

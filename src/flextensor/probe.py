@@ -189,7 +189,7 @@ def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasure
 
     _cuda_device("cuda")
     cudart = torch.cuda.cudart()
-    size = max(nbytes, mmap.PAGESIZE)
+    size = -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages, as mmap maps
     times = []
     for _ in range(repeats):
         mapping = mmap.mmap(-1, size)
@@ -256,6 +256,8 @@ def run_probe(
     sizes = sorted(set(sizes))
     if not sizes or sizes[0] <= 0:
         raise FlexTensorError(f"probe sizes must be positive byte counts, got {list(sizes)}")
+    if repeats < 1:
+        raise FlexTensorError(f"probe repeats must be at least 1, got {repeats}")
     kinds: list[tuple[Direction, bool]] = [
         ("host_to_device", True),
         ("host_to_device", False),

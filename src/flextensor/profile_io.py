@@ -67,7 +67,7 @@ def save_engine_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> 
         flextensor_version=__version__,
     )
     save_profile_file(profile, path)
-    logger.info("flextensor: saved profile to %s", path)
+    logger.info("saved profile to %s", path)
 
 
 def start_from_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> None:
@@ -102,7 +102,7 @@ def start_from_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> N
             measurements = dataclasses.replace(measurements, link=engine.link)
         plan = plan_offload(measurements, engine.budget_bytes)
     elif plan.budget_bytes != engine.budget_bytes:
-        logger.info("flextensor: profile %s was planned for another budget; re-planning", source)
+        logger.info("profile %s was planned for another budget; re-planning", source)
         plan = plan_offload(measurements, engine.budget_bytes)
     engine.order = list(profile.order)
     engine.input_shapes = measurements.input_shapes

@@ -149,6 +149,7 @@ class ProgressBar:
         timer = self._timer
         if timer is not None:
             timer.cancel()
+            timer.join(timeout=1.0)  # no thread left behind (a bar appearing after the work ended)
         with self._lock:
             self._closed = True
             progress, self._progress = self._progress, None

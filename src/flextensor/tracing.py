@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .report import recorded_timeline
+from .reporting import recorded_timeline
 
 if TYPE_CHECKING:
     from torch import nn

@@ -1,0 +1,158 @@
+"""Progress bars (FT_PROGRESS, the delayed start) and the flextensor logger (FT_LOG_LEVEL)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import flextensor
+from flextensor.log import configure_logging
+from flextensor.progress import progress_bar, progress_mode
+from spec_model import make_spec_model, spec_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- progress -----------------------------------------------------------------------------------------------
+
+
+def test_progress_mode_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert progress_mode({}) == "auto"
+    assert progress_mode({"FT_PROGRESS": "0"}) == "off"
+    assert progress_mode({"FT_PROGRESS": "off"}) == "off"
+    assert progress_mode({"FT_PROGRESS": "1"}) == "forced"
+    assert progress_mode({"FT_PROGRESS": " Yes "}) == "forced"
+    assert progress_mode({"FT_PROGRESS": "maybe"}) == "auto"
+    monkeypatch.setenv("FT_PROGRESS", "0")
+    assert progress_mode() == "off"
+
+
+def test_progress_off_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FT_PROGRESS", "0")
+    with progress_bar("Packing weights", 4, delay_s=0) as bar:
+        for _ in range(4):
+            bar.advance()
+    assert not bar.shown
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_auto_is_off_when_stderr_is_not_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("FT_PROGRESS", raising=False)
+    with progress_bar("Packing weights", 4, delay_s=0) as bar:
+        bar.advance(4)
+    assert not bar.shown
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_forced_shows_a_bar_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FT_PROGRESS", "1")
+    with progress_bar("Packing weights", 3 * 2**20, unit="bytes", delay_s=0) as bar:
+        for _ in range(3):
+            bar.advance(2**20)
+    assert bar.shown and bar.completed == 3 * 2**20
+    captured = capsys.readouterr()
+    assert "Packing weights" in captured.err and "3.0/3.0 MiB" in captured.err
+    assert captured.out == ""
+
+
+def test_progress_appears_only_after_the_delay(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FT_PROGRESS", "1")
+    with progress_bar("Quick work", 2, delay_s=30) as bar:
+        bar.advance(2)
+    assert not bar.shown
+    assert capsys.readouterr().err == ""
+
+    with progress_bar("Slow work", 2, delay_s=0.05) as bar:
+        bar.advance(1)
+        deadline = time.monotonic() + 10
+        while not bar.shown and time.monotonic() < deadline:  # the timer thread starts it
+            time.sleep(0.01)
+        bar.advance(1)
+    assert bar.shown
+    assert "Slow work" in capsys.readouterr().err
+
+
+def test_progress_closes_on_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FT_PROGRESS", "1")
+    with pytest.raises(RuntimeError, match="boom"), progress_bar("Failing work", 2, delay_s=30) as bar:
+        raise RuntimeError("boom")
+    assert bar._timer is not None and not bar._timer.is_alive()
+
+
+# -- logging ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root_handlers = list(logging.getLogger().handlers)
+    yield
+    configure_logging({})
+    assert logging.getLogger().handlers == root_handlers  # the root logger is never touched
+
+
+def _steady_spec_model() -> None:
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(device="cpu"))
+    with torch.no_grad():
+        while flextensor.phase(model) != "inference":
+            model(spec_tokens())
+
+
+def test_log_level_info_shows_phase_lines(restore_logging: None, capsys: pytest.CaptureFixture[str]) -> None:
+    logger = configure_logging({"FT_LOG_LEVEL": "info"})
+    assert logger.level == logging.INFO
+    _steady_spec_model()
+    err = capsys.readouterr().err
+    assert "flextensor INFO: discovery -> profiling" in err
+    assert "flextensor INFO: profiling -> inference" in err
+    assert "flextensor INFO: flextensor:" not in err  # the prefix is not doubled
+
+
+def test_default_is_quiet(restore_logging: None, capsys: pytest.CaptureFixture[str]) -> None:
+    logger = configure_logging({})
+    assert logger.level == logging.NOTSET and logger.getEffectiveLevel() >= logging.WARNING
+    assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
+    _steady_spec_model()
+    assert "flextensor" not in capsys.readouterr().err
+
+
+def test_reconfiguring_replaces_handlers(restore_logging: None) -> None:
+    logger = configure_logging({"FT_LOG_LEVEL": "DEBUG"})
+    configure_logging({"FT_LOG_LEVEL": "20"})
+    assert logger.level == logging.INFO
+    assert sum(isinstance(h, logging.StreamHandler) for h in logger.handlers) == 1
+    configure_logging({})
+    assert logger.level == logging.NOTSET
+    assert not any(type(h) is not logging.NullHandler for h in logger.handlers)
+
+
+def test_invalid_log_level_warns_and_falls_back(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logger = configure_logging({"FT_LOG_LEVEL": "LOUD"})
+    assert logger.level == logging.WARNING
+    err = capsys.readouterr().err
+    assert "flextensor WARNING: FT_LOG_LEVEL='LOUD' is not a log level" in err
+
+
+def test_log_level_is_read_at_import() -> None:
+    env = {**os.environ, "FT_LOG_LEVEL": "DEBUG", "PYTHONPATH": str(ROOT / "src")}
+    code = "import logging, flextensor; print(logging.getLogger('flextensor').level)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(logging.DEBUG)

@@ -1,0 +1,174 @@
+"""flextensor.report and flextensor.trace on the CPU engine: they read the step the engine recorded."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import flextensor
+from flextensor.errors import NotOffloadedError
+from flextensor.reporting import Report
+from real_models import llama_inputs, tiny_llama
+
+LAYERS = 4
+ALL_STREAMED = 100 * 1024
+"""Room for two of tiny_llama's 40 KiB (aligned) layers and not three: every layer streams."""
+
+
+def _offloaded(budget: int | None) -> torch.nn.Module:
+    config = flextensor.OffloadConfig(
+        include_patterns=["model.layers.*"], device="cpu", gpu_memory_budget=budget
+    )
+    return flextensor.offload(tiny_llama(layers=LAYERS), config)
+
+
+def _to_steady(model: torch.nn.Module) -> None:
+    inputs = llama_inputs()
+    with torch.no_grad():
+        while flextensor.phase(model) != "inference":
+            model(inputs)
+        model(inputs)  # the first steady forward: recorded
+
+
+@pytest.fixture(scope="module")
+def streamed_model() -> torch.nn.Module:
+    model = _offloaded(ALL_STREAMED)
+    _to_steady(model)
+    return model
+
+
+def test_report_rows_follow_execution_order_with_slots(streamed_model: torch.nn.Module) -> None:
+    engine = streamed_model._flextensor_engine
+    rep = flextensor.report(streamed_model)
+    assert isinstance(rep, Report)
+    assert [u.name for u in rep.units] == flextensor.offload_units(streamed_model)
+    assert [u.name for u in rep.units] == [f"model.layers.{i}" for i in range(LAYERS)]
+    arena = engine.arena.numel()
+    for row in rep.units:
+        assert row.nbytes == engine.units[row.name].nbytes
+        assert not row.resident and row.placement == "streamed"
+        assert row.slot_start is not None and row.slot_end is not None
+        assert 0 <= row.slot_start < row.slot_end <= arena
+        assert row.compute_ms > 0 and row.wait_ms >= 0
+        assert row.copy_ms is not None and row.copy_ms > 0
+    # Consecutive units never share bytes: one computes while the next is copied in.
+    for a, b in zip(rep.units, rep.units[1:], strict=False):
+        assert a.slot_end <= b.slot_start or b.slot_end <= a.slot_start
+
+
+def test_report_totals(streamed_model: torch.nn.Module) -> None:
+    engine = streamed_model._flextensor_engine
+    rep = flextensor.report(streamed_model)
+    assert rep.step_ms > 0 and rep.compute_ms > 0
+    assert rep.predicted_step_ms == pytest.approx(engine.plan.predicted_step_s * 1e3)
+    assert rep.predicted_peak_bytes == engine.plan.predicted_peak_bytes
+    assert rep.streamed_bytes == sum(u.nbytes for u in rep.units)  # each layer once per step
+    assert rep.copies == LAYERS
+    assert rep.achieved_gbps is not None and rep.achieved_gbps > 0
+    assert rep.link_gbps is not None and rep.link_gbps > 0
+    assert rep.budget_bytes == ALL_STREAMED
+    assert rep.arena_bytes == engine.arena.numel()
+    assert rep.device_bytes_held == engine.device_bytes_held()
+    assert rep.peak_allocated_bytes is None  # not counted on CPU
+    assert rep.exposed_wait_ms == pytest.approx(sum(u.wait_ms for u in rep.units))
+
+
+def test_report_to_dict_and_rendering(streamed_model: torch.nn.Module) -> None:
+    rep = flextensor.report(streamed_model)
+    data = rep.to_dict()
+    json.dumps(data)  # plain data
+    assert {"model", "device", "units", "step_ms", "predicted_step_ms", "streamed_bytes"} <= set(data)
+    assert {"achieved_gbps", "link_gbps", "peak_allocated_bytes", "budget_bytes"} <= set(data)
+    row = data["units"][0]
+    assert {"name", "nbytes", "placement", "slot", "compute_ms", "copy_ms", "wait_ms"} <= set(row)
+    assert row["slot"].startswith("arena 0.00\u2013") and row["slot"].endswith(" KiB")
+
+    text = str(rep)
+    for name in (u.name for u in rep.units):
+        assert name in text
+    assert "measured" in text and "predicted" in text and "streamed" in text
+    assert all(line == line.rstrip() for line in text.splitlines())
+    out = io.StringIO()
+    rep.print(Console(file=out, width=140))
+    assert "model.layers.3" in out.getvalue()
+
+
+def test_report_resident_units_say_so() -> None:
+    model = _offloaded(None)  # no budget: the planner may keep any unit resident
+    _to_steady(model)
+    engine = model._flextensor_engine
+    for row in flextensor.report(model).units:
+        assert row.resident == engine.units[row.name].resident
+        assert (row.slot_start is None) == row.resident
+        assert ("resident" in row.placement) == row.resident
+
+
+def test_report_before_steady_state_raises() -> None:
+    model = _offloaded(ALL_STREAMED)
+    with pytest.raises(NotOffloadedError, match=r"run one forward in steady state first"):
+        flextensor.report(model)
+    with torch.no_grad():
+        model(llama_inputs())  # discovery ends: the next forward profiles
+    with pytest.raises(NotOffloadedError, match="profiling phase"):
+        flextensor.report(model)
+    with pytest.raises(NotOffloadedError, match="not offloaded"):
+        flextensor.report(torch.nn.Linear(2, 2))
+
+
+def test_record_next_step_refreshes_the_recording(streamed_model: torch.nn.Module) -> None:
+    engine = streamed_model._flextensor_engine
+    first = engine.last_recording
+    with torch.no_grad():
+        streamed_model(llama_inputs())
+    assert engine.last_recording is first  # steady forwards are not recorded unless asked
+    flextensor.record_next_step(streamed_model)
+    with torch.no_grad():
+        streamed_model(llama_inputs())
+    assert engine.last_recording is not first
+    assert [u.name for u in flextensor.report(streamed_model).units] == flextensor.offload_units(
+        streamed_model
+    )
+
+
+def test_trace_writes_chrome_trace_json(streamed_model: torch.nn.Module, tmp_path: Path) -> None:
+    path = tmp_path / "step.json"
+    assert flextensor.trace(streamed_model, path) == path
+    document = json.loads(path.read_text())
+    events = document["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert threads == {1: "compute stream", 2: "copy stream"}
+    slices = [e for e in events if e["ph"] == "X"]
+    for e in slices:
+        assert e["pid"] == 1 and e["ts"] >= 0 and e["dur"] >= 0
+    units = flextensor.offload_units(streamed_model)
+    compute = [e for e in slices if e["tid"] == 1 and e["cat"] == "unit"]
+    assert [e["name"] for e in compute] == units
+    assert all(e["args"]["bytes"] > 0 and e["args"]["placement"] == "streamed" for e in compute)
+    copies = [e for e in slices if e["tid"] == 2]
+    assert sorted(e["name"] for e in copies) == sorted(units)
+    assert all(e["args"]["bytes"] > 0 for e in copies)
+    for wait in (e for e in slices if e["cat"] == "wait"):
+        assert wait["tid"] == 1 and wait["name"].removeprefix("wait ") in units
+    (step,) = [e for e in slices if e["cat"] == "step"]
+    for e in compute:  # nested inside the step slice, as Perfetto draws them
+        assert step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e-3
+
+
+def test_trace_replaces_atomically_and_refuses_before_steady_state(
+    streamed_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    path = tmp_path / "step.json"
+    path.write_text("old")
+    flextensor.trace(streamed_model, str(path))
+    assert json.loads(path.read_text())["traceEvents"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step.json"]  # no temporary file left
+
+    fresh = _offloaded(ALL_STREAMED)
+    with pytest.raises(NotOffloadedError, match="steady state"):
+        flextensor.trace(fresh, tmp_path / "none.json")
+    assert not (tmp_path / "none.json").exists()
