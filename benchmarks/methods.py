@@ -1,0 +1,271 @@
+"""The methods a workload runs under: native, ours, flextensor 0.5.0, diffusers group offload, accelerate.
+
+A method is named by a spec, ``name[:arg][/key=value...]``:
+
+==============================  ====================================================================
+``native``                      every weight on the device (``model.to(device)``): the reference
+``native_ref``                  native with the workload's memory cap lifted: the reference for a
+                                workload native cannot run under (``wan40``)
+``ours``                        ``flextensor.offload`` with the default config (unit = workload's)
+``ours_budget:8GiB``            ... with ``gpu_memory_budget="8GiB"``
+``ours_frac:0.05``              ... with ``max_gpu_mem_fraction=0.05``
+``flextensor050``               flextensor 0.5.0 from PyPI, default config, from its own folder
+``flextensor050_frac:0.05``     ... with ``max_gpu_mem_fraction=0.05``
+``flextensor050_budget:22GiB``  ... with ``max_gpu_mem_fraction`` = 22 GiB / the card's memory
+``diffusers_group``             diffusers ``apply_group_offloading``, block_level, 1 block per group,
+                                ``use_stream`` on CUDA
+``diffusers_group:model``       ... with ``block_modules=["model"]`` (``+``-separated list): reaches
+                                ``model.layers`` of a transformers LLM, which plain block_level misses
+``accelerate``                  accelerate ``cpu_offload`` (execution device = the run's device)
+==============================  ====================================================================
+
+Options after ``/`` override the runner's settings for that method only: ``timeout`` (s),
+``min_steps``, ``max_steps``, ``step_budget`` (s of timed steps), ``max_warmup`` (forwards).
+
+Each method's setup runs inside its own worker process (``benchmarks.worker``); this module only
+defines what "set up" means and how the method reports its phase and streamed bytes.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .workloads import Workload
+
+if TYPE_CHECKING:  # torch is imported where it is used: the parent process never needs it (stays light)
+    from torch import nn
+
+METHOD_NAMES = (
+    "native",
+    "native_ref",
+    "ours",
+    "ours_budget",
+    "ours_frac",
+    "flextensor050",
+    "flextensor050_frac",
+    "flextensor050_budget",
+    "diffusers_group",
+    "accelerate",
+)
+OPTION_KEYS = ("timeout", "min_steps", "max_steps", "step_budget", "max_warmup")
+PEER_VERSION = "0.5.0"
+
+
+class SkipMethod(Exception):  # a signal, not a failure: the run is recorded as skipped
+    """The method cannot run here (device, missing package); the message says why."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    spec: str
+    name: str
+    arg: str | None
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The spec without runner options: the name used in tables and plots."""
+        return self.name if self.arg is None else f"{self.name}:{self.arg}"
+
+    @property
+    def family(self) -> str:
+        """``native`` / ``ours`` / ``flextensor050`` / ``diffusers_group`` / ``accelerate``."""
+        return self.name.split("_budget")[0].split("_frac")[0].removesuffix("_ref")
+
+    def option(self, key: str, default: float) -> float:
+        return float(self.options[key]) if key in self.options else default
+
+
+def parse_method(spec: str) -> MethodSpec:
+    head, *opts = spec.strip().split("/")
+    name, _, arg = head.partition(":")
+    if name not in METHOD_NAMES:
+        raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHOD_NAMES)}")
+    needs_arg = name.endswith(("_budget", "_frac"))
+    if needs_arg and not arg:
+        raise ValueError(f"method {name!r} needs an argument, e.g. {name}:8GiB or {name}:0.05")
+    options: dict[str, str] = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if key not in OPTION_KEYS or not eq:
+            raise ValueError(
+                f"bad option {opt!r} in {spec!r}; options: {', '.join(OPTION_KEYS)} as key=value"
+            )
+        options[key] = value
+    return MethodSpec(spec=spec.strip(), name=name, arg=arg or None, options=options)
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"5.7GiB"`` -> bytes; decimal (GB) and binary (GiB) units, ``B`` optional."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 8GiB, 5.7GB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def unsupported_reason(ms: MethodSpec, w: Workload, device: str) -> str | None:
+    """Why ``ms`` cannot run on ``device`` for ``w``, decided before any weight is loaded."""
+    cuda = device.startswith("cuda")
+    if ms.family == "flextensor050" and not cuda:
+        return "flextensor 0.5.0 needs CUDA: its config takes only a GPU index (gpu_device)"
+    if ms.name == "native_ref" and (w.memory_cap_bytes is None or not cuda):
+        return "no memory cap on this run: plain native is the reference"
+    return None
+
+
+@dataclass
+class Prepared:
+    """A method set up on a model: what to call, and how to ask it about its state.
+
+    ``phase()``: the method's phase (``"inference"`` = steady) or ``None`` for methods without phases,
+    which are steady after ``min_warmup`` forwards. ``streamed()``: (bytes copied host->device per steady
+    step, where that figure comes from). ``details()``: the method's own account of its steady step, if
+    it gives one (ours: ``flextensor.report(model).to_dict()``), saved as is.
+    """
+
+    model: Any
+    phase: Callable[[], str | None]
+    min_warmup: int
+    streamed: Callable[[], tuple[int | None, str]]
+    info: dict[str, Any] = field(default_factory=dict)
+    details: Callable[[], dict[str, Any]] | None = None
+
+
+def _no_phase() -> None:
+    return None
+
+
+def _under(names: dict[str, int], prefixes: list[str]) -> int:
+    return sum(b for n, b in names.items() if any(n.startswith(p + ".") for p in prefixes))
+
+
+def ours_streamed_bytes(ft: Any, model: Any, nbytes: dict[str, int]) -> tuple[int | None, str]:
+    """Bytes ours copies host->device in one steady step, and where the figure comes from.
+
+    The one place to change when the engine's report says it directly. Until then: the bytes of the
+    offloaded parameters the plan did not keep resident (sizes from the meta model, so the figure does
+    not depend on what the engine leaves in ``param.data``).
+    """
+    try:
+        totals = ft.report(model).to_dict()
+        for scope in (totals, totals.get("totals", {}), totals.get("per_step", {})):
+            for key in ("bytes_streamed", "bytes_streamed_per_step", "streamed_bytes"):
+                if isinstance(scope.get(key), int | float):
+                    return int(scope[key]), "report"
+    except AttributeError:
+        pass  # report() not in this version of the library
+    offloaded = set(ft.offloaded_parameters(model))
+    resident = set(ft.resident_parameters(model))
+    return sum(nbytes.get(n, 0) for n in offloaded - resident), "plan"
+
+
+def _import_ours() -> Any:
+    import flextensor as ft
+
+    if getattr(ft, "__version__", None) == PEER_VERSION:
+        raise RuntimeError(f"`import flextensor` found the 0.5.0 peer ({ft.__file__}), not ours")
+    return ft
+
+
+def _import_peer(peer_path: str | None) -> Any:
+    if not peer_path or not Path(peer_path, "flextensor", "__init__.py").exists():
+        raise SkipMethod(
+            f"flextensor {PEER_VERSION} not found at {peer_path!r}: install it with "
+            f"`pip install --target <dir> flextensor=={PEER_VERSION}` and pass --peer-path <dir>"
+        )
+    # Ours and the peer share the import name: the peer's folder must win, and ours must not be there.
+    sys.path.insert(0, str(Path(peer_path).resolve()))
+    import flextensor as ft
+
+    if getattr(ft, "__version__", None) != PEER_VERSION:
+        raise RuntimeError(f"`import flextensor` resolved to {ft.__file__}, not the {PEER_VERSION} peer")
+    return ft
+
+
+def prepare(
+    ms: MethodSpec, model: nn.Module, w: Workload, device: str, nbytes: dict[str, int], peer_path: str | None
+) -> Prepared:
+    """Set ``model`` (weights on the CPU) up for ``ms``; the returned ``model`` is what to call."""
+    import torch
+
+    total = sum(nbytes.values())
+    cuda = device.startswith("cuda")
+    if ms.family == "native":
+        model.to(device)
+        return Prepared(model, _no_phase, 1, lambda: (0, "none: weights stay on the device"))
+
+    if ms.family == "ours":
+        ft = _import_ours()
+        kwargs: dict[str, Any] = {"include_patterns": [w.unit], "device": device}
+        if ms.name == "ours_budget":
+            kwargs["gpu_memory_budget"] = ms.arg
+        elif ms.name == "ours_frac":
+            kwargs["max_gpu_mem_fraction"] = float(ms.arg or 0)
+        cfg = ft.OffloadConfig(**kwargs)
+        wrapped = ft.offload(model, config=cfg)
+        info = {"impl_file": ft.__file__, "impl_version": getattr(ft, "__version__", None), "config": kwargs}
+
+        def ours_details() -> dict[str, Any]:
+            try:
+                return dict(ft.report(wrapped).to_dict())
+            except Exception as exc:  # extra information only: never lose the run over it
+                return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+        return Prepared(
+            wrapped,
+            lambda: str(ft.phase(wrapped)),
+            0,
+            lambda: ours_streamed_bytes(ft, wrapped, nbytes),
+            info,
+            ours_details,
+        )
+
+    if ms.family == "flextensor050":
+        ft = _import_peer(peer_path)
+        kwargs = {"include_patterns": [w.unit]}
+        if ms.name == "flextensor050_frac":
+            kwargs["max_gpu_mem_fraction"] = float(ms.arg or 0)
+        elif ms.name == "flextensor050_budget":
+            card = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            kwargs["max_gpu_mem_fraction"] = round(parse_bytes(ms.arg or "0") / card, 4)
+        wrapped = ft.offload(model, config=ft.OffloadConfig(**kwargs))
+
+        def peer_phase() -> str:
+            return str(ft.get_offload_manager().phase.value)
+
+        def peer_streamed() -> tuple[int | None, str]:
+            units = [name for name, _ in ft.offload_units()]
+            return _under(nbytes, units), "upper bound: all bytes of its offload units"
+
+        info = {"impl_file": ft.__file__, "impl_version": ft.__version__, "config": kwargs}
+        return Prepared(wrapped, peer_phase, 0, peer_streamed, info)
+
+    if ms.family == "diffusers_group":
+        from diffusers.hooks import apply_group_offloading
+
+        kwargs = {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": cuda}
+        if ms.arg:
+            kwargs["block_modules"] = ms.arg.split("+")
+        apply_group_offloading(model, onload_device=torch.device(device), offload_device="cpu", **kwargs)
+        # Every group, the top-level leftovers too, goes back to the CPU after its forward.
+        info = {"config": {**kwargs, "offload_device": "cpu"}}
+        # One warm-up forward: with streams, the first forward records the order of the groups.
+        return Prepared(model, _no_phase, 1, lambda: (total, "estimate: all parameters"), info)
+
+    if ms.family == "accelerate":
+        from accelerate import cpu_offload
+
+        cpu_offload(model, execution_device=torch.device(device))
+        info = {"config": {"execution_device": device, "offload_buffers": False}}
+        return Prepared(model, _no_phase, 1, lambda: (total, "estimate: all parameters"), info)
+
+    raise ValueError(f"no setup for method {ms.spec!r}")
