@@ -37,9 +37,9 @@ SCHEMA = "flextensor-bench/1"
 
 
 def default_peer_path() -> str | None:
-    """``FT_BENCH_PEER``, else the first of /tmp/peer and benchmarks/.peer that holds flextensor."""
-    if os.environ.get("FT_BENCH_PEER"):
-        return os.environ["FT_BENCH_PEER"]
+    """``FLEXTENSOR_BENCH_PEER``, else the first of /tmp/peer and benchmarks/.peer that holds flextensor."""
+    if os.environ.get("FLEXTENSOR_BENCH_PEER"):
+        return os.environ["FLEXTENSOR_BENCH_PEER"]
     for cand in (Path("/tmp/peer"), REPO / "benchmarks" / ".peer"):
         if (cand / "flextensor" / "__init__.py").exists():
             return str(cand)
@@ -152,7 +152,7 @@ def build_first(args: argparse.Namespace, tmp: Path, time_left: float) -> dict[s
     on = "cuda" if args.device.startswith("cuda") else "cpu"
     path = cache_path(w, on)
     if path is None:
-        return {"cache_path": None, "built": False, "reason": "FT_BENCH_CACHE=off: each worker generates"}
+        return {"cache_path": None, "built": False, "reason": "FLEXTENSOR_BENCH_CACHE=off: each worker generates"}
     if path.exists():
         return {"cache_path": str(path), "built": False}
     if args.build == "inline" or (args.build == "auto" and on == "cpu"):

@@ -320,8 +320,8 @@ def _random_param(w: Workload, name: str, shape: tuple[int, ...], device: torch.
 
 
 def cache_dir() -> Path | None:
-    """``FT_BENCH_CACHE`` (``off`` disables caching), else ``~/.cache/flextensor-bench``."""
-    value = os.environ.get("FT_BENCH_CACHE", "")
+    """``FLEXTENSOR_BENCH_CACHE`` (``off`` disables caching), else ``~/.cache/flextensor-bench``."""
+    value = os.environ.get("FLEXTENSOR_BENCH_CACHE", "")
     if value.lower() in ("off", "0", "none", "false"):
         return None
     return Path(value).expanduser() if value else Path.home() / ".cache" / "flextensor-bench"

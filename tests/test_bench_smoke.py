@@ -51,7 +51,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     procs = {}
     for workload, methods in RUNS.items():
         # A cache per invocation, so that which process builds the weights is known.
-        env = dict(os.environ, FT_BENCH_CACHE=str(tmp_path_factory.mktemp(f"cache-{workload}")))
+        env = dict(os.environ, FLEXTENSOR_BENCH_CACHE=str(tmp_path_factory.mktemp(f"cache-{workload}")))
         cmd = [sys.executable, "-m", "benchmarks.run", "--workload", workload, "--methods", methods]
         cmd += ["--device", "cpu", "--out", str(out), "--threads", "1", "--min-steps", "3"]
         cmd += ["--max-steps", "3", "--build", "first" if workload == BUILD_FIRST else "inline"]
@@ -152,7 +152,7 @@ def test_llama_prefill_step(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from benchmarks.workloads import build_empty, get_workload, load_weights, make_inputs, run_step
 
-    monkeypatch.setenv("FT_BENCH_CACHE", "off")
+    monkeypatch.setenv("FLEXTENSOR_BENCH_CACHE", "off")
     w = get_workload("llama_tiny")
     model = build_empty(w)
     assert load_weights(w, model, "cpu")["built"]

@@ -48,7 +48,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         rollback.move_resident_to(device)
         resident = {name: "not selected for offloading" for name in selection.resident_parameters}
         resident.update(selection.resident_reasons)
-        engine = OffloadEngine(model, config, runtime, units, resident, budget)
+        engine = rollback.engine = OffloadEngine(model, config, runtime, units, resident, budget)
         order = list(selection.units)
         sizes = [u.nbytes for u in units]
         engine.apply_layout(order, (), provisional_arena_bytes(sizes))
@@ -86,6 +86,7 @@ class _Rollback:
         self.original_devices = {id(p): p.device for p in model.parameters()}
         self.moved: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.moved_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self.engine: OffloadEngine | None = None
         self.done = False
 
     def __enter__(self) -> _Rollback:
@@ -136,6 +137,8 @@ class _Rollback:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self.done:
             return
+        if self.engine is not None:
+            self.engine.detach()
         for param, original in self.moved:
             param.data = original
         for module, key, buf in self.moved_buffers:

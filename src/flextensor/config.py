@@ -266,9 +266,12 @@ class OffloadConfig(BaseModel):
     gpu_memory_budget: int | None = Field(
         default=None,
         description=(
-            "Most device memory, in bytes, that offloaded weights may occupy at once. Accepts an int or a "
-            "string such as '8GiB', '7.5GB' or '512MiB'; must be > 0. Set this or max_gpu_mem_fraction, "
-            "not both; None with neither set leaves the budget to flextensor's planner."
+            "A cap, in bytes, on the peak allocated device memory of every steady-state step: weights, "
+            "copies in flight and activations together, as torch.cuda.max_memory_allocated measures from "
+            "the step's start. Accepts an int or a string such as '8GiB', '7.5GB' or '512MiB'; must be "
+            "> 0. An infeasible budget raises BudgetError when the plan is made. Set this or "
+            "max_gpu_mem_fraction, not both; with neither, the planner keeps resident only what cannot "
+            "stream without slowing the step (within the device's memory)."
         ),
     )
     max_gpu_mem_fraction: float | None = Field(

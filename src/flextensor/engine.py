@@ -38,6 +38,10 @@ from .timeline import StepRecorder
 
 logger = logging.getLogger("flextensor")
 
+NO_BUDGET_DEVICE_FRACTION = 0.92
+"""Without a budget the plan still has to fit the device: this share of its memory, leaving room for the
+caching allocator's fragmentation and other processes' contexts."""
+
 
 class Phase(enum.Enum):
     """Where an offloaded model is in its life, and what each phase costs.
@@ -133,6 +137,7 @@ class OffloadEngine:
         self._samples: list[StepSample] = []
         self._arena: torch.Tensor | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._unit_handles: dict[str, list[torch.utils.hooks.RemovableHandle]] = {}
         self._owner_of: dict[int, str] = {id(p): u.name for u in units for _, p, _ in u.parameters}
         self._active: set[str] = set()
         self._tracker: OutsideReadTracker | None = None
@@ -251,13 +256,7 @@ class OffloadEngine:
             self.model.register_forward_pre_hook(self._on_model_pre, prepend=True, with_kwargs=True)
         )
         self._handles.append(self.model.register_forward_hook(self._on_model_post, always_call=True))
-        for unit in self.units.values():
-            self._handles.append(
-                unit.module.register_forward_pre_hook(self._unit_pre_hook(unit), prepend=True)
-            )
-            self._handles.append(
-                unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True)
-            )
+        self._sync_unit_hooks()
 
         # torch tags these hooks with attributes, which bound methods cannot carry: wrap in functions.
         self._handles.append(
@@ -283,10 +282,32 @@ class OffloadEngine:
             "flextensor.release(model) first, load, then offload again"
         )
 
+    def _sync_unit_hooks(self) -> None:
+        """Hook every unit while learning; in steady state only the streamed ones (plan time only).
+
+        A resident unit's weights never move, so in steady state its hooks would only cost time: a
+        module with hooks takes PyTorch's slow call path, which shows in launch-bound decode steps.
+        """
+        for unit in self.units.values():
+            wanted = self.phase is not Phase.INFERENCE or not unit.resident
+            hooked = unit.name in self._unit_handles
+            if wanted and not hooked:
+                self._unit_handles[unit.name] = [
+                    unit.module.register_forward_pre_hook(self._unit_pre_hook(unit), prepend=True),
+                    unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True),
+                ]
+            elif hooked and not wanted:
+                for handle in self._unit_handles.pop(unit.name):
+                    handle.remove()
+
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for handles in self._unit_handles.values():
+            for handle in handles:
+                handle.remove()
+        self._unit_handles.clear()
 
     def _on_model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         me = threading.get_ident()
@@ -474,12 +495,19 @@ class OffloadEngine:
         """Plan from ``measurements`` (unless given), apply it, and enter steady state."""
         if plan is None:
             plan = plan_offload(measurements, self.budget_bytes)
+            capacity = self.runtime.total_memory()
+            if self.budget_bytes is None and capacity is not None:
+                cap = int(NO_BUDGET_DEVICE_FRACTION * capacity)
+                if plan.predicted_peak_bytes > cap:
+                    logger.info("the no-budget plan would not fit the device; planning for %d bytes", cap)
+                    plan = plan_offload(measurements, cap)
         self.measurements = measurements
         self.plan = plan
         self._plans[measurements.input_shapes] = _PlanState(measurements, plan)
         self.order = [u.name for u in measurements.units]
         self.apply_layout(list(plan.streamed), plan.resident, plan.arena_bytes)
         self._set_phase(Phase.INFERENCE)
+        self._sync_unit_hooks()
         self._record_next = True  # the first steady step is recorded for report() and trace()
         logger.info(
             "plan: %d unit(s) streamed, %d resident, arena %.2f GiB, predicted step %.1f ms, "
@@ -500,10 +528,12 @@ class OffloadEngine:
             if known.plan is not self.plan:
                 self.measurements, self.plan = known.measurements, known.plan
                 self.apply_layout(list(known.plan.streamed), known.plan.resident, known.plan.arena_bytes)
+                self._sync_unit_hooks()
             return
         logger.info("new input shapes %s: profiling them and re-planning", ", ".join(shapes))
         self.apply_layout(self.order, (), provisional_arena_bytes([self.units[u].nbytes for u in self.order]))
         self._set_phase(Phase.PROFILING)
+        self._sync_unit_hooks()
         self._profiler = StepProfiler(self.runtime)
         self._profiler.begin_step()
 

@@ -273,22 +273,32 @@ def report(model: nn.Module) -> Report:
         busy_s += end - start
 
     arena = engine.arena
+    timed = {unit.unit: unit for unit in timeline.units}
+    profiled = engine.measurements.by_name() if engine.measurements is not None else {}
     rows = []
-    for unit in timeline.units:
-        state = engine.units.get(unit.unit)
+    for name in [*engine.order, *(u for u in engine.units if u not in engine.order)]:
+        state = engine.units[name]
+        unit = timed.get(name)
+        if unit is None and not state.resident:
+            continue  # streamed but did not run in the recorded step
         start = end = None
-        if not unit.resident and state is not None and state.storage is not None and arena is not None:
+        if not state.resident and state.storage is not None and arena is not None:
             # Streamed storage is a view into the arena: its offset there is its slot.
             start = state.storage.data_ptr() - arena.data_ptr()
-            end = start + unit.nbytes
+            end = start + state.nbytes
+        # Resident units carry no hooks in steady state (they cost nothing); their compute time is the
+        # one measured while profiling.
+        compute_s = (
+            unit.compute_s if unit is not None else (profiled[name].compute_s if name in profiled else 0.0)
+        )
         rows.append(
             UnitReport(
-                name=unit.unit,
-                nbytes=unit.nbytes,
-                resident=unit.resident,
-                compute_ms=unit.compute_s * 1e3,
-                copy_ms=copy_ms.get(unit.unit),
-                wait_ms=unit.wait_s * 1e3,
+                name=name,
+                nbytes=state.nbytes,
+                resident=state.resident,
+                compute_ms=compute_s * 1e3,
+                copy_ms=copy_ms.get(name),
+                wait_ms=unit.wait_s * 1e3 if unit is not None else 0.0,
                 slot_start=start,
                 slot_end=end,
             )
@@ -305,7 +315,7 @@ def report(model: nn.Module) -> Report:
         units=tuple(rows),
         step_ms=timeline.step_s * 1e3,
         predicted_step_ms=plan.predicted_step_s * 1e3,
-        compute_ms=sum(u.compute_s for u in timeline.units) * 1e3,
+        compute_ms=sum(row.compute_ms for row in rows),
         exposed_wait_ms=timeline.exposed_wait_s * 1e3,
         copy_ms=busy_s * 1e3,
         copies=len(timeline.copies),

@@ -168,9 +168,12 @@ class StepRecorder:
                 )
             )
         streamed = sum(nbytes for _, _, _, nbytes in self.copies)
+        # The step ends when both streams are idle: copies issued in it (next-step prefetches included)
+        # are what a caller that reads the output waits for too.
+        copy_tail = max((end for _, _, end in copies), default=0.0)
         self._timeline = Timeline(
             units=tuple(units),
-            step_s=at(self.end),
+            step_s=max(at(self.end), copy_tail),
             peak_allocated_bytes=self.peak,
             streamed_bytes=streamed,
             copies=tuple(copies),
