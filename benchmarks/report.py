@@ -86,7 +86,8 @@ def format_table(doc: dict[str, Any]) -> list[str]:
             f"{ratio:.3f}" if ratio is not None else "",
             _gb(r.get("gpu_peak_allocated_bytes")) if ok else "",
             _gb(r.get("gpu_peak_reserved_bytes")) if ok else "",
-            _gb(r.get("host_rss_peak_bytes")),
+            _gb(r.get("host_rss_peak_bytes"))
+            + (f" ({_gb(r['host_rss_anon_peak_bytes'])} anon)" if r.get("host_rss_anon_peak_bytes") else ""),
             streamed,
             rate,
             warm,

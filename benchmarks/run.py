@@ -152,7 +152,11 @@ def build_first(args: argparse.Namespace, tmp: Path, time_left: float) -> dict[s
     on = "cuda" if args.device.startswith("cuda") else "cpu"
     path = cache_path(w, on)
     if path is None:
-        return {"cache_path": None, "built": False, "reason": "FLEXTENSOR_BENCH_CACHE=off: each worker generates"}
+        return {
+            "cache_path": None,
+            "built": False,
+            "reason": "FLEXTENSOR_BENCH_CACHE=off: each worker generates",
+        }
     if path.exists():
         return {"cache_path": str(path), "built": False}
     if args.build == "inline" or (args.build == "auto" and on == "cpu"):
