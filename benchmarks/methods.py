@@ -28,6 +28,7 @@ defines what "set up" means and how the method reports its phase and streamed by
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -216,7 +217,12 @@ def prepare(
 
         def ours_details() -> dict[str, Any]:
             try:
-                return dict(ft.report(wrapped).to_dict())
+                details = dict(ft.report(wrapped).to_dict())
+                trace_dir = os.environ.get("FLEXTENSOR_BENCH_TRACE_DIR")
+                if trace_dir:  # the recorded steady step as a Chrome trace, for Perfetto
+                    spec = ms.name + (f"-{ms.arg}" if ms.arg else "")
+                    details["trace"] = str(ft.trace(wrapped, Path(trace_dir) / f"{w.name}-{spec}.trace.json"))
+                return details
             except Exception as exc:  # extra information only: never lose the run over it
                 return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 

@@ -318,11 +318,7 @@ def _check_env(env: dict[str, str], where: str, monkeypatch: pytest.MonkeyPatch)
         assert ours["FT_PROGRESS"].strip().lower() in _ON | _OFF, (
             f"{where}: FT_PROGRESS={ours['FT_PROGRESS']}"
         )
-    fields = {
-        k: v
-        for k, v in ours.items()
-        if k not in config_module.NON_FIELD_ENV_VARS
-    }
+    fields = {k: v for k, v in ours.items() if k not in config_module.NON_FIELD_ENV_VARS}
     with monkeypatch.context() as patch:
         for var in [v for v in os.environ if v.startswith("FT_")]:
             patch.delenv(var)

@@ -6,6 +6,7 @@ Sizes are whole multiples of the arena alignment and the link moves one "slot" (
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -52,59 +53,82 @@ def streamed(m: Measurements, arena_slots: float, resident: tuple[str, ...] = ()
 # --- closed forms -------------------------------------------------------------------------------------
 
 
-def test_transfer_bound_chain_runs_at_link_speed() -> None:
-    # Copies (3 s) dwarf computes (1 s): with two slots the copy stream never idles, cyclic prefetch
-    # included, so the step is exactly the bytes over the bandwidth.
+def test_transfer_bound_chain_runs_at_link_speed_after_the_first_compute() -> None:
+    # Copies (3 s) dwarf computes (1 s). Two slots: u2's copy waits for u0's compute (the first
+    # post-hook), then the copy stream never idles: u2..u7, then u0 and u1 for the next step, which the
+    # step waits for. Step = one compute + the bytes over the bandwidth = 1 + 8 x 3.
     m = chain([1.0] * 8, copy_s=3.0)
     sim = simulate(streamed(m, 2), m)
     assert sim.streamed_bytes == 8 * SLOT
-    assert sim.step_s == pytest.approx(24.0)
-    assert sim.step_s == pytest.approx(sim.streamed_bytes / (SLOT / 3.0))
-    assert sim.exposed_wait_s == pytest.approx(24.0 - 8.0)
-    # Back-to-back copies: each starts when the one before it ends.
-    copies = [(u.copy_start_s, u.copy_end_s) for u in sim.units]
+    assert sim.step_s == pytest.approx(25.0)
+    assert sim.step_s == pytest.approx(1.0 + sim.streamed_bytes / (SLOT / 3.0))
+    # u2..u7 each wait 2 s (copy 3 s, compute 1 s); the last compute ends at 20, the copies at 25.
+    assert sim.exposed_wait_s == pytest.approx(6 * 2.0)
+    assert sim.tail_copy_s == pytest.approx(5.0)
+    # u0's and u1's copies ran at the end of the previous step, the second one up to its very end.
+    assert (sim.units[0].copy_start_s, sim.units[0].copy_end_s) == (pytest.approx(-6.0), pytest.approx(-3.0))
+    assert (sim.units[1].copy_start_s, sim.units[1].copy_end_s) == (pytest.approx(-3.0), pytest.approx(0.0))
+    # The copy stream idles while u0 computes, then copies back to back.
+    assert sim.units[2].copy_start_s == pytest.approx(1.0)
+    copies = [(u.copy_start_s, u.copy_end_s) for u in sim.units[2:]]
     for (_, end), (start, _) in itertools.pairwise(copies):
         assert start == pytest.approx(end)
 
 
-def test_transfer_bound_chain_cold_costs_one_more_compute() -> None:
-    # Without cross-step prefetch the copies still run back to back from the step's start, but the last
-    # unit's compute now comes after all of them: bytes / bandwidth + one compute (< one copy).
+def test_transfer_bound_chain_cold_costs_the_same() -> None:
+    # Without cross-step prefetch the copies run back to back from the step's start and the last unit's
+    # compute comes after all of them: bytes / bandwidth + one compute, as with cross-step prefetch,
+    # whose copies of u0 and u1 now cost the step that issues them.
     m = chain([1.0] * 8, copy_s=3.0)
     sim = simulate(streamed(m, 2), m, cyclic=False)
     assert sim.step_s == pytest.approx(24.0 + 1.0)
     assert sim.units[0].copy_start_s == pytest.approx(0.0)
+    assert sim.tail_copy_s == 0.0
 
 
-def test_compute_bound_chain_runs_at_compute_speed() -> None:
+def test_compute_bound_chain_waits_for_the_copy_issued_after_its_last_unit() -> None:
+    # Computes 3 s, copies 1 s, two slots: every copy hides under a compute except u1's, for the next
+    # step: it shares u7's slot, so it can only start once u7, the last unit, has run.
     m = chain([3.0] * 8, copy_s=1.0)
     sim = simulate(streamed(m, 2), m)
-    assert sim.step_s == pytest.approx(m.compute_s) == pytest.approx(24.0)
+    assert sim.step_s == pytest.approx(m.compute_s + 1.0) == pytest.approx(25.0)
     assert sim.exposed_wait_s == pytest.approx(0.0)
+    assert sim.tail_copy_s == pytest.approx(1.0)
     for u in sim.units:
         assert u.copy_end_s is not None and u.copy_end_s <= u.compute_start_s + 1e-12
-    # The first unit's copy was issued in the previous step, after the second-to-last unit's compute.
-    assert sim.units[0].copy_start_s == pytest.approx(-3.0)
+    # u0's copy was issued in the previous step after u6 (at 21 of 25) and hid under u7; u1's ended it.
+    assert sim.units[0].copy_start_s == pytest.approx(-4.0)
+    assert (sim.units[1].copy_start_s, sim.units[1].copy_end_s) == (pytest.approx(-1.0), pytest.approx(0.0))
+    # A tail as long as that copy hides it: the step is the compute time.
+    tailed = chain([3.0] * 8, copy_s=1.0, tail_s=1.0)
+    sim = simulate(streamed(tailed, 2), tailed)
+    assert sim.step_s == pytest.approx(tailed.compute_s) == pytest.approx(25.0)
+    assert sim.tail_copy_s == pytest.approx(0.0)
     # Cold, the first copy has nothing to hide under.
-    assert simulate(streamed(m, 2), m, cyclic=False).step_s == pytest.approx(1.0 + 24.0)
+    assert simulate(streamed(tailed, 2), tailed, cyclic=False).step_s == pytest.approx(1.0 + 25.0)
+    # So does a resident last unit: u0..u6 stream, u0 shares u6's slot and its copy hides under u7.
+    sim = simulate(streamed(m, 2, resident=("u7",)), m)
+    assert sim.step_s == pytest.approx(m.compute_s)
+    assert sim.units[0].copy_start_s == pytest.approx(21.0 - 24.0)
 
 
 def test_mixed_chain_timeline_by_hand() -> None:
     # Light/heavy alternating units (1 s, 4 s), 2 s copies, two slots: u0/u2 share slot 0, u1/u3 slot 1.
-    # Worked by hand (times from the steady step's start): u3's copy may start only when u1's compute
-    # ends (6), takes 2 s while u2 computes 1 s, so u3 waits 1 s; likewise u1 waits 1 s for its copy,
-    # issued after the previous step's u3 (which ends at 0). u0's and u2's copies hide under the heavy
-    # units. Step = 10 s compute + 2 x 1 s.
+    # Worked by hand (times from the steady step's start; u0 and u1 are there from the previous step):
+    # u0 0-1 issues u2's copy 1-3; u1 1-5 issues u3's 5-7; u2 5-6 (its copy hid under u1) issues u0's
+    # for the next step, queued behind u3's: 7-9; u3 waits 1 s for its copy, runs 7-11 and issues u1's
+    # 11-13, which nothing hides: step = 10 s compute + 1 s wait + 2 s tail copy.
     m = chain([1.0, 4.0, 1.0, 4.0], copy_s=2.0)
     sim = simulate(streamed(m, 2), m)
-    assert sim.step_s == pytest.approx(12.0)
+    assert sim.step_s == pytest.approx(13.0)
     assert sim.compute_s == pytest.approx(10.0)
-    assert sim.exposed_wait_s == pytest.approx(2.0)
+    assert sim.exposed_wait_s == pytest.approx(1.0)
+    assert sim.tail_copy_s == pytest.approx(2.0)
     expected = {  # name: (copy start, copy end, compute start, wait)
-        "u0": (-4.0, -2.0, 0.0, 0.0),
-        "u1": (0.0, 2.0, 2.0, 1.0),
-        "u2": (2.0, 4.0, 6.0, 0.0),
-        "u3": (6.0, 8.0, 8.0, 1.0),
+        "u0": (7.0 - 13.0, 9.0 - 13.0, 0.0, 0.0),
+        "u1": (11.0 - 13.0, 0.0, 1.0, 0.0),
+        "u2": (1.0, 3.0, 5.0, 0.0),
+        "u3": (5.0, 7.0, 7.0, 1.0),
     }
     for u in sim.units:
         cs, ce, start, wait = expected[u.name]
@@ -150,24 +174,32 @@ def test_units_of_very_different_sizes() -> None:
     names = tuple(u.name for u in transfer_bound.units)
     sim = simulate(Plan((), names, big), transfer_bound)
     assert sim.streamed_bytes == sum(u.nbytes for u in transfer_bound.units)
+    assert sim.step_s >= sim.streamed_bytes / LINK
     assert sim.step_s == pytest.approx(sim.streamed_bytes / LINK, rel=1e-4)
 
-    # Heavy layers hide their own copies, but the LM head's range wraps over the embedding and first
-    # layers: their copies can only start once the head has run, at the very end of the step.
+    # Heavy layers hide their own copies, but the LM head's range wraps over the embedding and the first
+    # two layers: their copies can only start once the head, the last unit, has run, and the step waits
+    # for all three.
     m = llama_like(0.04, 0.01)
     layout = ring_layout(names, [u.nbytes for u in m.units], big)
-    assert layout.ready_after[0] == len(names) - 1
+    assert layout.ready_after[:3] == (len(names) - 1,) * 3
     sim = simulate(Plan((), names, big), m)
     embed_copy, layer_copy = GB / LINK, int(0.44 * GB) / LINK
-    assert sim.units[0].copy_start_s == pytest.approx(0.0, abs=1e-9)
-    assert sim.exposed_wait_s == pytest.approx(embed_copy + layer_copy - 1e-6)
-    assert sim.step_s == pytest.approx(m.compute_s + embed_copy + layer_copy - 1e-6)
-    # Keeping those two resident lets two layer slots do: every copy hides.
+    assert sim.units[0].copy_start_s == pytest.approx(-(embed_copy + 2 * layer_copy))
+    assert sim.exposed_wait_s == pytest.approx(0.0, abs=1e-9)
+    assert sim.tail_copy_s == pytest.approx(embed_copy + 2 * layer_copy)
+    assert sim.step_s == pytest.approx(m.compute_s + embed_copy + 2 * layer_copy)
+    # Keeping those two resident lets two layer slots do: every copy hides but layers.1's, issued after
+    # layers.31 with only the head's 10 ms left to hide its 17.6 ms.
     layers = names[1:-1]
     slim = Plan(("embed", "lm_head"), layers, 2 * align_up(int(0.44 * GB), UNIT_ALIGNMENT))
     sim = simulate(slim, m)
-    assert sim.step_s == pytest.approx(m.compute_s)
     assert sim.exposed_wait_s == pytest.approx(0.0, abs=1e-9)
+    assert sim.tail_copy_s == pytest.approx(layer_copy - 0.01)
+    assert sim.step_s == pytest.approx(m.compute_s + layer_copy - 0.01)
+    # A tail covering the rest hides it.
+    tailed = dataclasses.replace(m, tail_s=layer_copy - 0.01)
+    assert simulate(slim, tailed).step_s == pytest.approx(tailed.compute_s)
 
 
 def test_arena_holding_everything_copies_nothing_in_steady_state() -> None:
@@ -221,6 +253,10 @@ def test_to_dict_is_json_ready() -> None:
     sim = simulate(streamed(m, 1), m)
     data = json.loads(json.dumps(sim.to_dict()))
     assert data["step_s"] == sim.step_s
+    assert set(data) == {
+        "step_s", "peak_bytes", "streamed_bytes", "compute_s", "exposed_wait_s", "tail_copy_s", "units",
+    }  # fmt: skip
+    assert data["tail_copy_s"] == sim.tail_copy_s > 0  # u0's copy, issued after u1, ends the step
     assert [u["name"] for u in data["units"]] == ["u0", "u1"]
     assert set(data["units"][0]) == {
         "name", "resident", "nbytes", "copy_start_s", "copy_end_s",
@@ -253,21 +289,28 @@ def test_no_units_is_just_the_tail() -> None:
 
 
 def test_larger_arena_can_be_slower() -> None:
-    # Four 1-slot units, copy = compute = 1 s. Two slots: every copy hides under one compute (4 s).
-    # Three slots: u1, u2 stay for good, but u0 and u3 share slot 0, so u0's copy can only start after
-    # u3, the last unit, has run: 1 s exposed per step. The planner simulates rather than assume
-    # monotonicity for this reason.
-    m = chain([1.0] * 4)
-    assert simulate(streamed(m, 2), m).step_s == pytest.approx(4.0)
-    assert simulate(streamed(m, 3), m).step_s == pytest.approx(5.0)
+    # Units of 2, 1, 2, 1 slots, 2 s compute each, 1 s copy per slot. Four slots: u0/u2 and u1/u3 share
+    # ranges like two slots; u0 2 s issues u2's copy 2-4, u1 2-4 issues u3's 4-5, u2 4-6 issues u0's
+    # 6-8, u3 6-8 issues u1's 8-9: 9 s. Five slots: u1 and u2 stay for good, but u3 wraps over u0, so
+    # u0's 2 s copy can only start after u3, the last unit, has run: 10 s. The planner simulates rather
+    # than assume monotonicity for this reason.
+    m = chain([2.0] * 4, slots=[2, 1, 2, 1])
+    assert simulate(streamed(m, 4), m).step_s == pytest.approx(9.0)
+    assert simulate(streamed(m, 5), m).step_s == pytest.approx(10.0)
+    assert simulate(streamed(m, 5), m).streamed_bytes < simulate(streamed(m, 4), m).streamed_bytes
 
 
 def test_making_a_unit_resident_can_be_slower() -> None:
-    # Five 1-slot units in three slots: u0/u3 and u1/u4 share slots, u2 stays; each copy hides (5 s).
-    # With u2 resident the ring shifts: u0 and u4 share slot 0 and u0's copy waits for the last unit.
-    m = chain([1.0] * 5)
-    assert simulate(streamed(m, 3), m).step_s == pytest.approx(5.0)
-    assert simulate(streamed(m, 3, resident=("u2",)), m).step_s == pytest.approx(6.0)
+    # Units of 1, 1, 1, 2 slots, 2 s compute each, 1 s copy per slot, three slots. u3 wraps over u0 and
+    # u1, u2 stays: u1 2-4 issues u3's copy 4-6, hidden under u2; u3 6-8 issues u0's and u1's copies
+    # 8-10 for the next step: 10 s. With u0 resident the ring shifts: u3 wraps over u1 and u2, so its
+    # copy is issued after u2 (6-8), which runs right before it: u3 waits 2 s, then u1's and u2's copies
+    # 10-12: 12 s.
+    m = chain([2.0] * 4, slots=[1, 1, 1, 2])
+    assert simulate(streamed(m, 3), m).step_s == pytest.approx(10.0)
+    sim = simulate(streamed(m, 3, resident=("u0",)), m)
+    assert sim.step_s == pytest.approx(12.0)
+    assert sim.units[3].wait_s == pytest.approx(2.0)
 
 
 # --- invariants ---------------------------------------------------------------------------------------
@@ -312,30 +355,47 @@ def plans(draw: st.DrawFn) -> tuple[Measurements, Plan]:
 
 @settings(max_examples=300, deadline=None)
 @given(plans(), st.booleans())
-def test_step_is_compute_plus_waits_and_bounded_by_the_link(
+def test_step_is_compute_plus_waits_plus_tail_copy_and_bounded_by_the_link(
     case: tuple[Measurements, Plan], cyclic: bool
 ) -> None:
     m, plan = case
     sim = simulate(plan, m, cyclic=cyclic)
     assert sim.compute_s == pytest.approx(m.compute_s)
     assert sim.step_s >= sim.compute_s - 1e-9
-    assert sim.step_s == pytest.approx(sim.compute_s + sim.exposed_wait_s, abs=1e-9)
+    assert sim.tail_copy_s >= 0.0
+    assert sim.step_s == pytest.approx(sim.compute_s + sim.exposed_wait_s + sim.tail_copy_s, abs=1e-9)
     # Every byte copied in a step goes through the one link, which moves a page per second.
     assert sim.step_s >= sim.streamed_bytes / UNIT_ALIGNMENT - 1e-9
     for u in sim.units:
         assert u.wait_s >= 0.0
         assert u.compute_end_s >= u.compute_start_s
-        if u.copy_end_s is not None:
+        if u.copy_start_s is not None and u.copy_end_s is not None:
             assert u.copy_end_s <= u.compute_start_s + 1e-9
+            # Copies run within a step: this one's, or the previous one's (a cross-step prefetch).
+            assert u.copy_start_s >= -1e-9 or u.copy_end_s <= 1e-9
+            assert u.copy_start_s >= -sim.step_s - 1e-9
+    if not cyclic:
+        # Every copy is consumed in the step that issues it, before the compute ends.
+        assert sim.tail_copy_s == 0.0
+    elif sim.streamed_bytes:
+        # Steady state: nothing issues a copy before the first streamed unit's compute has ended.
+        first = next(u for u in sim.units if not u.resident)
+        assert sim.step_s >= first.compute_end_s + sim.streamed_bytes / UNIT_ALIGNMENT - 1e-9
+    if sim.tail_copy_s > 1e-9:
+        # Only a cross-step prefetch can outlast the compute (any other copy ends before its consumer
+        # starts), so the step ends on one: in steady state, the last of them ends at 0.
+        ahead = [u.copy_end_s for u in sim.units if u.copy_end_s is not None and u.copy_end_s <= 1e-9]
+        assert ahead and max(ahead) == pytest.approx(0.0, abs=1e-9)
 
 
 @settings(max_examples=200, deadline=None)
 @given(plans(), st.booleans())
-def test_three_steps_reach_the_steady_state(case: tuple[Measurements, Plan], cyclic: bool) -> None:
+def test_default_steps_reach_the_steady_state(case: tuple[Measurements, Plan], cyclic: bool) -> None:
     m, plan = case
-    assert simulate(plan, m, cyclic=cyclic).step_s == pytest.approx(
-        simulate(plan, m, steps=7, cyclic=cyclic).step_s, rel=1e-9, abs=1e-9
-    )
+    sim, longer = simulate(plan, m, cyclic=cyclic), simulate(plan, m, steps=7, cyclic=cyclic)
+    assert sim.step_s == pytest.approx(longer.step_s, rel=1e-9, abs=1e-9)
+    assert sim.tail_copy_s == pytest.approx(longer.tail_copy_s, rel=1e-9, abs=1e-9)
+    assert sim.streamed_bytes == longer.streamed_bytes
 
 
 @settings(max_examples=200, deadline=None)

@@ -12,7 +12,7 @@ from torch import nn
 from .bandwidth import probe_link
 from .config import OffloadConfig
 from .engine import OffloadEngine, Phase, UnitState, provisional_arena_bytes
-from .errors import AlreadyOffloadedError, NotOffloadedError
+from .errors import AlreadyOffloadedError, FlexTensorError, NotOffloadedError
 from .host_store import UnitPack, pack_unit
 from .progress import progress_bar
 from .runtime import DeviceRuntime
@@ -44,7 +44,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     budget = config.resolved_budget_bytes(runtime.total_memory())
     with _Rollback(model, selection, runtime) as rollback:
         pin = config.resolved_pinned_memory(device)
-        units = rollback.pack_units(pin)
+        units = rollback.pack_units(pin, config)
         rollback.move_resident_to(device)
         resident = {name: "not selected for offloading" for name in selection.resident_parameters}
         resident.update(selection.resident_reasons)
@@ -86,36 +86,70 @@ class _Rollback:
         self.original_devices = {id(p): p.device for p in model.parameters()}
         self.moved: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.moved_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+        # Meta parameters attached to a shared segment are new objects: (module, key, original, new).
+        self.swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         self.engine: OffloadEngine | None = None
         self.done = False
 
     def __enter__(self) -> _Rollback:
         return self
 
-    def pack_units(self, pin: bool) -> list[UnitState]:
+    def pack_units(self, pin: bool, config: OffloadConfig) -> list[UnitState]:
+        """Put every unit's parameters in host packs: private ones, or with ``config.share_host_memory``
+        ranges of the node's shared segment (which meta parameters may attach to, see shared_store)."""
+        self._check_resident_have_data()
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
-        total = sum(
-            params[f].numel() * params[f].element_size() for f in self.selection.streamed_parameters()
-        )
+        named_units = [
+            (name, [(fqn, params[fqn]) for fqn in self.selection.unit_parameters[name]])
+            for name in self.selection.units
+        ]
+        total = sum(p.numel() * p.element_size() for _, named in named_units for _, p in named)
         what = "Packing and pinning weights" if pin else "Packing weights"
         with progress_bar(what, total=total, unit="bytes") as bar:
-            for name in self.selection.units:
-                named = [(fqn, params[fqn]) for fqn in self.selection.unit_parameters[name]]
-                pack = pack_unit(name, named, pin)
-                self.packs.append(pack)
-                self.units.append(
-                    UnitState(
-                        name=name,
-                        module=modules[name],
-                        pack=pack,
-                        parameters=[(fqn, p, e) for (fqn, p), e in zip(named, pack.entries, strict=True)],
-                        copy_done=self.runtime.event(),
-                        compute_done=self.runtime.event(),
-                    )
-                )
-                bar.advance(sum(e.nbytes for e in pack.entries))
+            if config.share_host_memory:
+                from .shared_store import pack_shared
+
+                patterns = [list(config.include_patterns), list(config.exclude_patterns)]
+                shared = pack_shared(self.model, named_units, patterns, pin, bar.advance)
+                self.packs.extend(shared.packs)
+                self.swapped = shared.swapped
+                for (name, _), named, pack in zip(named_units, shared.parameters, shared.packs, strict=True):
+                    self._add_unit(name, modules[name], named, pack)
+            else:
+                for name, named in named_units:
+                    pack = pack_unit(name, named, pin)
+                    self.packs.append(pack)
+                    self._add_unit(name, modules[name], named, pack)
+                    bar.advance(sum(e.nbytes for e in pack.entries))
         return self.units
+
+    def _add_unit(
+        self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], pack: UnitPack
+    ) -> None:
+        self.units.append(
+            UnitState(
+                name=name,
+                module=module,
+                pack=pack,
+                parameters=[(fqn, p, e) for (fqn, p), e in zip(named, pack.entries, strict=True)],
+                copy_done=self.runtime.event(),
+                compute_done=self.runtime.event(),
+            )
+        )
+
+    def _check_resident_have_data(self) -> None:
+        """Weights that stay on the device are never shared or packed: they must hold data."""
+        streamed = set(self.selection.streamed_parameters())
+        resident = [(n, "parameter", t) for n, t in self.model.named_parameters() if n not in streamed]
+        resident += [(n, "buffer", t) for n, t in self.model.named_buffers()]
+        for name, kind, tensor in resident:
+            if tensor.device.type == "meta":
+                raise FlexTensorError(
+                    f"{kind} {name!r} is on the meta device and holds no data; it is not offloaded, so "
+                    "it cannot come from a shared host copy either: load it (e.g. "
+                    "load_state_dict(..., assign=True)) before offload()"
+                )
 
     def move_resident_to(self, device: torch.device) -> None:
         streamed = {id(p) for u in self.units for _, p, _ in u.parameters}
@@ -143,8 +177,13 @@ class _Rollback:
             param.data = original
         for module, key, buf in self.moved_buffers:
             module._buffers[key] = buf
+        for module, key, original_param, _ in self.swapped:
+            module._parameters[key] = original_param
+        swapped = {id(new) for _, _, _, new in self.swapped}
         for unit in self.units:
             for _, param, entry in unit.parameters:
+                if id(param) in swapped:
+                    continue
                 original = self.original_devices[id(param)]
                 param.data = unit.pack.view(entry).to(original, copy=True)
         for pack in self.packs:

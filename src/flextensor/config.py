@@ -291,8 +291,12 @@ class OffloadConfig(BaseModel):
     share_host_memory: bool = Field(
         default=False,
         description=(
-            "Share one pinned host copy of the weights between the processes of a node. Reserved: "
-            "validated, but not acted on yet."
+            "Share one pinned host copy of the offloaded weights between the processes of a node that "
+            "hold the same weights (data-parallel replicas, context parallelism): the first packs them "
+            "into a shared-memory segment under /dev/shm, the others map it, so host RAM does not grow "
+            "with the number of processes. Those others may build the model on the meta device. "
+            "Processes with other weights of the same shapes (tensor-parallel shards) get segments of "
+            "their own. Linux only."
         ),
     )
 

@@ -7,6 +7,10 @@ parameters are packed into one anonymous mmap of exactly their bytes (rounded to
 page-locked with ``cudaHostRegister``, so host RAM held is within a page per unit of the weights' bytes.
 Packing goes unit by unit and drops the parameter's original storage as soon as it is copied, so
 ``offload()`` never holds two full copies of the model.
+
+With ``share_host_memory`` the packs are instead byte ranges of one segment that every process of the
+node maps (see [Note: shared host store] in shared_store.py): a pack then views memory it does not own,
+and the segment is page-locked once per process as a whole.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -57,36 +62,84 @@ def pack_layout(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[tuple[Packed
     return tuple(entries), offset
 
 
+def page_lock(buffer: torch.Tensor, nbytes: int, what: str) -> None:
+    """Page-lock ``nbytes`` of host memory from ``buffer``'s first byte with ``cudaHostRegister``."""
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise FlexTensorError(
+            f"could not page-lock {nbytes} bytes of host memory for {what} "
+            f"(cudaHostRegister error {int(err)}); raise the memlock limit (ulimit -l) or pass "
+            "OffloadConfig(pinned_memory=False)"
+        )
+
+
+def page_unlock(buffer: torch.Tensor) -> None:
+    """Undo :func:`page_lock` of the memory starting at ``buffer``'s first byte."""
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+class PackOwner(Protocol):
+    """What holds the memory of packs that do not own theirs (a shared segment)."""
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the memory is page-locked in this process."""
+        ...
+
+    def pack_freed(self) -> None:
+        """One pack over this memory has been freed; the owner lets go once all have."""
+        ...
+
+
 class UnitPack:
-    """One unit's parameters in one host buffer (pinned when the device is CUDA)."""
+    """One unit's parameters in one host buffer (pinned when the device is CUDA).
+
+    Built with the constructor, the pack owns an exact-size mmap of its own; built with :meth:`over`, it
+    views a range of memory that ``owner`` holds (a segment shared between processes).
+    """
 
     def __init__(self, unit: str, entries: tuple[PackedParameter, ...], nbytes: int, pin: bool) -> None:
         self.unit = unit
         self.entries = entries
         self.nbytes = nbytes
         self.pinned = False
+        self._owner: PackOwner | None = None
         mapped = align_up(max(nbytes, 1), PAGE)
         self._mmap: mmap.mmap | None = mmap.mmap(-1, mapped)
+        self._held = mapped
         if hasattr(mmap, "MADV_HUGEPAGE") and mapped >= 2 * 2**20:
             # Huge pages make the page-locking below several times faster for large units.
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=mapped)[:nbytes]
         if pin:
-            self._pin()
+            page_lock(self.buffer, self._held, f"unit {self.unit!r}")
+            self.pinned = True
+
+    @classmethod
+    def over(
+        cls, unit: str, entries: tuple[PackedParameter, ...], buffer: torch.Tensor, owner: PackOwner
+    ) -> UnitPack:
+        """A pack viewing ``buffer`` (``nbytes`` uint8 host bytes) that ``owner`` holds and pins."""
+        pack = cls.__new__(cls)
+        pack.unit = unit
+        pack.entries = entries
+        pack.nbytes = buffer.numel()
+        pack.pinned = owner.pinned
+        pack._owner = owner
+        pack._mmap = None
+        pack._held = align_up(max(pack.nbytes, 1), PAGE)
+        pack.buffer = buffer
+        return pack
+
+    @property
+    def shared(self) -> bool:
+        """Whether the buffer is a range of a segment other processes may map too."""
+        return self._owner is not None
 
     @property
     def held_bytes(self) -> int:
-        return 0 if self._mmap is None else len(self._mmap)
-
-    def _pin(self) -> None:
-        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.held_bytes, 0)
-        if int(err) != 0:
-            raise FlexTensorError(
-                f"could not page-lock {self.held_bytes} bytes of host memory for unit {self.unit!r} "
-                f"(cudaHostRegister error {int(err)}); raise the memlock limit (ulimit -l) or pass "
-                "OffloadConfig(pinned_memory=False)"
-            )
-        self.pinned = True
+        """Host bytes held for this unit (for a shared pack: its page-rounded range of the segment)."""
+        return self._held if (self._mmap is not None or self._owner is not None) else 0
 
     def view(self, entry: PackedParameter) -> torch.Tensor:
         return entry.view(self.buffer)
@@ -97,10 +150,16 @@ class UnitPack:
         The mapping itself is unmapped when the last tensor viewing it dies (each holds a reference to the
         mmap object): a caller may still hold a state_dict() that views it, and must not be left dangling.
         """
+        if self._owner is not None:
+            owner, self._owner = self._owner, None
+            self.pinned = False
+            del self.buffer
+            owner.pack_freed()
+            return
         if self._mmap is None:
             return
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            page_unlock(self.buffer)
             self.pinned = False
         del self.buffer
         self._mmap = None
@@ -108,8 +167,41 @@ class UnitPack:
     def __repr__(self) -> str:
         return (
             f"UnitPack({self.unit!r}, {len(self.entries)} parameters, {self.nbytes} bytes, "
-            f"pinned={self.pinned})"
+            f"pinned={self.pinned}{', shared' if self.shared else ''})"
         )
+
+
+def check_not_meta(named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    """Raise if a parameter to be packed has no data (built under ``torch.device("meta")``)."""
+    for name, param in named:
+        if param.device.type == "meta":
+            raise FlexTensorError(
+                f"parameter {name!r} is on the meta device and holds no data; load the weights "
+                "(e.g. load_state_dict(..., assign=True)) before offload()"
+            )
+
+
+def fill_pack(pack: UnitPack, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    """Copy ``named`` parameters into ``pack`` and point each at its place there.
+
+    On failure the parameters already moved get storage of their own back, with their values.
+    """
+    try:
+        for entry, (_, param) in zip(pack.entries, named, strict=True):
+            host = pack.view(entry)
+            host.copy_(param.data)
+            param.data = host
+    except BaseException:
+        unpack(pack, named)
+        raise
+
+
+def unpack(pack: UnitPack, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    """Give every parameter of ``named`` that views ``pack`` a private copy of its values."""
+    base = pack.buffer.untyped_storage().data_ptr()
+    for entry, (_, param) in zip(pack.entries, named, strict=False):
+        if param.data.untyped_storage().data_ptr() == base:
+            param.data = pack.view(entry).clone()
 
 
 def pack_unit(unit: str, named: Sequence[tuple[str, torch.nn.Parameter]], pin: bool) -> UnitPack:
@@ -118,24 +210,12 @@ def pack_unit(unit: str, named: Sequence[tuple[str, torch.nn.Parameter]], pin: b
     Each parameter's original storage is released as soon as it is copied (``param.data`` becomes the
     packed host view), which keeps the peak host memory of packing at one model plus one unit.
     """
-    for name, param in named:
-        if param.device.type == "meta":
-            raise FlexTensorError(
-                f"parameter {name!r} is on the meta device and holds no data; load the weights "
-                "(e.g. load_state_dict(..., assign=True)) before offload()"
-            )
+    check_not_meta(named)
     entries, nbytes = pack_layout([(n, p.data) for n, p in named])
     pack = UnitPack(unit, entries, nbytes, pin)
     try:
-        for entry, (_, param) in zip(entries, named, strict=True):
-            host = pack.view(entry)
-            host.copy_(param.data)
-            param.data = host
+        fill_pack(pack, named)
     except BaseException:
-        # Parameters already moved keep their values through the views; give them storage of their own.
-        for entry, (_, param) in zip(entries, named, strict=False):
-            if param.data.untyped_storage().data_ptr() == pack.buffer.untyped_storage().data_ptr():
-                param.data = pack.view(entry).clone()
         pack.free()
         raise
     return pack

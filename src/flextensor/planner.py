@@ -11,18 +11,28 @@ bytes, and nothing for the engine to stream.
 
 With a budget, for each multiplier in a fixed ladder (2, 3, 4, 6, 9, ... up to all-fit) two greedy paths
 start from "everything streamed" and make units resident one move at a time: one path takes the move
-with the best estimated step-time gain per byte added, the other the cheapest move that gains anything
-(it fills tight budgets that the first path's big moves overshoot). Gains are the simulator's estimate
-(see ``_run``'s ``want_gain``); equal gains go to the unit most crowded by streamed neighbours, which
-spreads the streamed units so every copy has compute to hide under. Every configuration on every path is
-simulated; the plan is the fastest that fits the budget, ties going to less memory. A path stops at its
-first configuration over the budget. The ladder and the greedy orders do not depend on the budget, so a
-larger budget only adds candidates: the predicted step time never gets worse as the budget grows.
+with the best step-time gain per byte added, the other the cheapest move that gains anything (it fills
+tight budgets that the first path's big moves overshoot). The simulator's gain estimate (see ``_run``'s
+``want_gain``) ranks the moves; equal estimates go to the unit most crowded by streamed neighbours, which
+spreads the streamed units so every copy has compute to hide under. The best ``RESIDENT_TRIALS`` moves
+are simulated and the path takes the best of them by simulated gain: the estimate cannot see a move
+shift the ring, nor a resident unit delay the step's first copy (see below). Every configuration
+simulated is a candidate; the plan is the fastest that fits the budget, ties going to less memory. A
+path stops at its first configuration over the budget. The ladder and the greedy orders do not depend
+on the budget, so a larger budget only adds candidates: the predicted step time never gets worse as the
+budget grows.
 
 Without a budget the planner wants the least memory that runs within ``NO_BUDGET_SLOWDOWN`` of the
 all-resident time: from everything streamed through the smallest arena it repeatedly takes whichever
 move (grow the arena one rung, or make one of the best few candidates resident) saves the most simulated
 time per byte, until the step is within tolerance.
+
+What the step boundary does to plans (see [Note: what the simulator models]): the copies issued after
+the last streamed unit's compute, for the next step's first units, hide only under the compute after it
+(the tail, resident units): a chain whose tail is shorter than those copies needs a resident unit at its
+end, or the units those copies load resident. And the copy stream idles until the first streamed
+unit's compute ends, so a resident unit before it delays every copy: when the link is the bottleneck,
+residents belong after the first streamed unit.
 """
 
 from __future__ import annotations
@@ -72,9 +82,10 @@ units rarely changes the step time, so the ladder thins out where it matters lit
 of greedy paths logarithmic in the unit count."""
 
 RESIDENT_TRIALS = 3
-"""Without a budget, how many of the best-estimated resident candidates are simulated each round. The
-gain estimate ranks well but misses layout effects (a unit leaving the ring shifts every later unit), so
-a few real simulations pick the move; more buys little for linear extra cost."""
+"""How many of the best-estimated resident moves are simulated at each step of a search. The gain
+estimate ranks well but misses layout effects (a unit leaving the ring shifts every later unit, a
+resident unit before the first streamed one delays the step's first copy), so a few real simulations
+pick the move; more buys little for linear extra cost."""
 
 TIME_TIE_RTOL = 1e-9
 """Step times closer than this (relative) are a tie, broken toward less memory: the simulator's sums in
@@ -213,24 +224,33 @@ class _Search:
         if 1 < len(tops) < len(streamed):
             candidates.append(tops)
         ranked: list[tuple[tuple[float, ...], frozenset[int], int]] = []
+        padded, gains = self.padded, config.gain
+        next_size = sizes[1] if len(sizes) > 1 else 0
         for units in candidates:
-            taken = sum(self.padded[i] for i in units)
+            single = len(units) == 1
+            if single:
+                (first,) = units
+                taken = padded[first]
+                gain = gains.get(first, 0.0)
+            else:
+                first = min(units)
+                taken = sum(padded[i] for i in units)
+                gain = sum(gains.get(i, 0.0) for i in units)
             new_fit = fit - taken
             # The arena shrinks to the next size only when every unit of the largest size leaves.
-            next_size = sizes[1] if len(sizes) > 1 else 0
             new_largest = next_size if units == tops else largest
             arena = new_fit if mult is None else min(mult * new_largest, new_fit)
             if arena >= new_fit:
                 continue
             added = taken + arena - config.arena
-            gain = sum(config.gain.get(i, 0.0) for i in units)
-            first = min(units)
-            spread = _rounded(crowding[first]) if len(units) == 1 else 0.0
-            if cheapest and (gain > 0 or added < 0):
+            if gain <= 0 and added >= 0:
+                continue  # neither faster nor smaller, as far as the estimate tells
+            spread = _rounded(crowding[first]) if single else 0.0
+            if cheapest:
                 ranked.append(((float(added), -_rounded(gain), spread, first), units, added))
-            elif added <= 0 and (gain > 0 or added < 0):
+            elif added <= 0:
                 ranked.append(((0.0, -_rounded(gain), float(added), first), units, added))
-            elif gain > 0 and added > 0:
+            else:
                 ranked.append(((1.0, -_rounded(gain / added), spread, first), units, added))
         ranked.sort(key=lambda r: r[0])
         return [(units, added) for _, units, added in ranked]
@@ -259,16 +279,31 @@ def _multipliers(search: _Search) -> list[int | None]:
     return ladder
 
 
+def _score(current: _Config, candidate: _Config, cheapest: bool = False) -> tuple[float, ...]:
+    """Rank a simulated move from ``current`` to ``candidate``: lowest first.
+
+    Moves that save time and add no bytes come first, then those that save time, by time saved per byte
+    added (``cheapest``: by bytes added). When nothing saves time the cheapest move ranks first, so a
+    search still climbs toward all-fit.
+    """
+    saved = current.step_s - candidate.step_s
+    if saved <= current.step_s * TIME_TIE_RTOL:
+        saved = 0.0
+    added = candidate.memory - current.memory
+    if saved > 0 and added <= 0:
+        return (0.0, -saved, float(added))
+    if saved > 0:
+        return (1.0, float(added) if cheapest else -saved / added, -saved)
+    return (2.0, float(added), candidate.step_s)
+
+
 def _search_budget(search: _Search, budget: int) -> _Config:
     """The fastest configuration within ``budget`` among the greedy paths (see [Note: planner search])."""
     best: _Config | None = None
     floor = search.compute_s * (1 + TIME_TIE_RTOL)  # no configuration runs faster than its compute
     for mult, cheapest in itertools.product(_multipliers(search), (False, True)):
-        resident: frozenset[int] = frozenset()
-        while True:
-            config = search.evaluate(resident, mult)
-            if config.memory > budget:
-                break
+        config = search.evaluate(frozenset(), mult)
+        while config.memory <= budget:
             if _better(config, best):
                 best = config
             if config.step_s <= floor:
@@ -276,10 +311,14 @@ def _search_budget(search: _Search, budget: int) -> _Config:
             resident_bytes = search.fixed + sum(search.padded[i] for i in config.resident)
             if best is not None and best.step_s <= floor and resident_bytes >= best.memory:
                 break  # every later configuration on this path is no faster and uses more memory
-            moves = search.resident_moves(config, mult, cheapest)
+            moves = search.resident_moves(config, mult, cheapest)[:RESIDENT_TRIALS]
             if not moves:
                 break
-            resident = config.resident | moves[0][0]
+            options = [search.evaluate(config.resident | units, mult) for units, _ in moves]
+            for option in options:  # the moves not taken are candidates too
+                if option.memory <= budget and _better(option, best):
+                    best = option
+            config = min(options, key=lambda o, c=config: _score(c, o, cheapest))
     if best is None:  # cannot happen once the minimal configuration fits; kept for a clear failure
         raise BudgetError(f"no configuration fits the budget of {_format_bytes(budget)}")
     return best
@@ -301,19 +340,7 @@ def _search_no_budget(search: _Search) -> _Config:
             options.append((search.evaluate(config.resident | units, ladder[rung]), rung))
         if not options:  # nothing streams any more (cannot be slow then); stop rather than spin
             break
-
-        def score(option: tuple[_Config, int], current: _Config = config) -> tuple[float, ...]:
-            candidate = option[0]
-            saved = current.step_s - candidate.step_s
-            added = candidate.memory - current.memory
-            if saved > 0 and added <= 0:
-                return (0.0, -saved, float(added))
-            if saved > 0:
-                return (1.0, -saved / added, float(added))
-            # Nothing saves time: take the cheapest move so the loop still climbs toward all-fit.
-            return (2.0, float(added), candidate.step_s)
-
-        config, rung = min(options, key=score)
+        config, rung = min(options, key=lambda o, c=config: _score(c, o[0]))
     return config
 
 

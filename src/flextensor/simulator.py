@@ -12,7 +12,10 @@ copy stream:
   issued (its post-hook), nearest positions first, and starts on the device at
   ``max(copy stream free, end of that compute)``: the copy stream waits on that compute's event;
 * when ``ready_after[k]`` comes later in the order than ``k``, the copy is for the *next* forward: it is
-  issued in this step and hides under this step's tail (cross-step prefetch);
+  issued in this step and hides under this step's tail (cross-step prefetch) as far as the tail allows;
+* a step ends when both streams are idle: what the caller sees when it reads the output (``.item()``,
+  sampling, a benchmark's synchronize), so a cross-step copy that outlasts the tail costs this step its
+  remainder instead of hiding under the caller's own work;
 * when ``ready_after[k]`` is None the unit's range is never overwritten: it is copied once, ever;
 * a unit's compute starts at ``max(previous compute end + gap, end of its copy)``.
 
@@ -20,9 +23,15 @@ A cold step (the first one, or every step when ``cyclic=False``) starts with an 
 that no earlier compute of the step issues (``ready_after`` None or later in the order) are issued at the
 step's start, in execution order, once the previous step has ended.
 
-The host is assumed to run ahead of the device (no host-side syncs), so only device-side dependencies
-order events. Every event time is a max of sums of earlier ones, so one pass per step suffices:
-O(steps x units) after the layout.
+The host is assumed to run ahead of the device within a step (no host-side syncs but the step
+boundary), so only device-side dependencies order events. Every event time is a max of sums of earlier
+ones, so one pass per step suffices: O(steps x units) after the layout.
+
+Since both streams are idle when a step starts, the copy stream idles until the first post-hook that
+issues a copy, and whatever a step's last streamed unit's post-hook issues can only hide under the
+compute after it (resident units, the tail): those are the copies that cannot hide. A step's time is
+``compute_s + exposed_wait_s + tail_copy_s`` (see Simulation). The second step is already steady: it
+starts, like every later one, with idle streams and the same units in the arena.
 """
 
 from __future__ import annotations
@@ -38,16 +47,18 @@ from .measurements import Measurements
 if TYPE_CHECKING:  # planner.py imports this module: a runtime import would be circular
     from .planner import Plan
 
-DEFAULT_STEPS = 3
-"""Forwards simulated: a cold one, one whose prefetches come from a cold one, and a steady one."""
+DEFAULT_STEPS = 2
+"""Forwards simulated: a cold one and a steady one. Each step starts with both streams idle (see [Note:
+what the simulator models]), so the second starts in the state every later one does."""
 
 
 @dataclass(frozen=True)
 class UnitTimeline:
     """One unit in the steady step. Times are seconds from that step's start.
 
-    ``copy_start_s`` / ``copy_end_s``: the copy this step's compute consumes (it may start before the
-    step, during the previous step's tail), or None for a resident unit or one that is never reloaded.
+    ``copy_start_s`` / ``copy_end_s``: the copy this step's compute consumes, or None for a resident unit
+    or one that is never reloaded. A cross-step prefetch ran at the end of the previous step: negative
+    times, ending at or before 0.
     ``wait_s``: how long the unit's compute stalled on its copy. ``slot_offset``: the unit's first byte in
     the arena, None for a resident unit.
     """
@@ -73,7 +84,9 @@ class Simulation:
     ``step_s``: device time of one step. ``peak_bytes``: the step's peak allocated device memory.
     ``streamed_bytes``: bytes copied host-to-device per step. ``compute_s``: the step's compute and gaps
     and tail (its time with every weight already there). ``exposed_wait_s``: total time compute stalled on
-    copies; ``step_s == compute_s + exposed_wait_s`` up to rounding.
+    copies. ``tail_copy_s``: how long copies issued in the step (prefetches for the next one included)
+    ran on after its compute and tail had ended: the step ends only when both streams are idle. So
+    ``step_s == compute_s + exposed_wait_s + tail_copy_s`` up to rounding.
     """
 
     step_s: float
@@ -81,6 +94,7 @@ class Simulation:
     streamed_bytes: int
     compute_s: float
     exposed_wait_s: float
+    tail_copy_s: float
     units: tuple[UnitTimeline, ...]
 
     def to_dict(self) -> dict[str, object]:
@@ -90,6 +104,7 @@ class Simulation:
             "streamed_bytes": self.streamed_bytes,
             "compute_s": self.compute_s,
             "exposed_wait_s": self.exposed_wait_s,
+            "tail_copy_s": self.tail_copy_s,
             "units": [u.to_dict() for u in self.units],
         }
 
@@ -110,6 +125,7 @@ class _Trace:
 
     step_start: float
     step_s: float
+    tail_copy: float  # how long the copy stream ran on after the compute stream (tail included) ended
     compute_start: list[float]
     compute_end: list[float]
     wait: list[float]
@@ -130,38 +146,40 @@ def _ring_ready_after(sizes: Sequence[int], arena_bytes: int) -> tuple[int | Non
     """
     padded = [align_up(s, UNIT_ALIGNMENT) for s in sizes]
     n = len(padded)
-    offsets: list[int] = []
-    lap_of: list[int] = []
+    offsets = [0] * n
+    lap_of = [0] * n
     laps: list[list[int]] = []  # positions of each lap, in order
     lap_offsets: list[list[int]] = []
+    lap: list[int] = []
+    lap_offs: list[int] = []
     cursor = 0
     for k, size in enumerate(padded):
-        if cursor + size > arena_bytes or not laps:
-            if laps:
-                cursor = 0
-            laps.append([])
-            lap_offsets.append([])
-        offsets.append(cursor)
-        lap_of.append(len(laps) - 1)
-        laps[-1].append(k)
-        lap_offsets[-1].append(cursor)
+        if not laps or cursor + size > arena_bytes:
+            cursor = 0
+            lap, lap_offs = [], []
+            laps.append(lap)
+            lap_offsets.append(lap_offs)
+        offsets[k] = cursor
+        lap_of[k] = len(laps) - 1
+        lap.append(k)
+        lap_offs.append(cursor)
         cursor += size
-    ready: list[int | None] = []
+    ready: list[int | None] = [None] * n
+    count = len(laps)
     for k in range(n):
-        lo, hi = offsets[k], offsets[k] + padded[k]
-        found: int | None = None
+        lo = offsets[k]
+        hi = lo + padded[k]
         own = lap_of[k]
-        for step in range(1, len(laps)):
-            lap = (own - step) % len(laps)
+        for back in range(1, count):
+            other = own - back if own >= back else own - back + count
             # Last unit of the lap starting before ``hi``; ends are sorted, so if it ends at or before
             # ``lo`` no unit of this lap overlaps.
-            idx = bisect.bisect_left(lap_offsets[lap], hi) - 1
+            idx = bisect.bisect_left(lap_offsets[other], hi) - 1
             if idx >= 0:
-                j = laps[lap][idx]
+                j = laps[other][idx]
                 if offsets[j] + padded[j] > lo:
-                    found = j
+                    ready[k] = j
                     break
-        ready.append(found)
     return tuple(ready)
 
 
@@ -197,16 +215,15 @@ def _run(
 
     With ``want_gain``, also estimate per streamed position how much the step would shorten if that unit
     were resident: a copy delays the compute waiting on it and, through the FIFO, every copy queued
-    back-to-back behind it; so the estimate is ``min(copy time, waits downstream in its back-to-back
-    run)``. One more step is simulated so that a run crossing into the next step counts the waits it
-    causes there: without it, copies late in the step would look harmless and the planner would keep
-    picking early units. It is a ranking hint for the planner, which simulates the real effect; the
-    reported step is unchanged (later steps cannot affect earlier ones).
+    back-to-back behind it, and the step's end when that run outlasts the compute (``tail_copy``); so the
+    estimate is ``min(copy time, waits and tail copy downstream in its back-to-back run)``. Copies are
+    counted in the step that issues them: a cross-step prefetch costs this step, never the next (it ends
+    before the next step starts, so its consumer never waits on it). It is a ranking hint for the
+    planner, which simulates the real effect.
     """
     n_units = len(compute)
     n = len(copy_s)
     report = steps - 1
-    total = steps + 1 if want_gain else steps
     unit_of = [0] * n
     for i, k in enumerate(position):
         if k >= 0:
@@ -217,17 +234,15 @@ def _run(
     cur_end: list[float | None] = [None] * n
     nxt_start: list[float | None] = [None] * n
     nxt_end: list[float | None] = [None] * n
-    wait = [0.0] * n_units
     result: _Trace | None = None
-    # For the gain estimate: copy events from the step before the reported one on, in FIFO order, as
-    # (position, consumer step, queued back-to-back behind the previous copy); and those steps' waits.
-    events: list[tuple[int, int, bool]] = []
-    waits: dict[int, list[float]] = {}
-    for s in range(total):
+    # For the gain estimate: the reported step's copies in FIFO order, as (position, consumed in this
+    # step, queued back-to-back behind the previous copy).
+    events: list[tuple[int, bool, bool]] = []
+    for s in range(steps):
         cstart = [0.0] * n_units
         cend = [0.0] * n_units
         wait = [0.0] * n_units
-        record = want_gain and s >= report - 1
+        record = want_gain and s == report
         if s == 0 or not cyclic:
             cur_start = [None] * n
             cur_end = [None] * n
@@ -237,7 +252,7 @@ def _run(
                     # Arena empty at a cold start: nothing to wait for but the previous step's end.
                     start = copy_free if copy_free > t else t
                     if record:
-                        events.append((k, s, copy_free > t))
+                        events.append((k, True, copy_free > t))
                     copy_free = start + copy_s[k]
                     cur_start[k] = start
                     cur_end[k] = copy_free
@@ -264,7 +279,7 @@ def _run(
                         continue  # no cross-step prefetch: the next step starts cold
                     begin = copy_free if copy_free > prev else prev
                     if record:
-                        events.append((q, s if q > k else s + 1, copy_free > prev))
+                        events.append((q, q > k, copy_free > prev))
                     copy_free = begin + copy_s[q]
                     if q > k:
                         cur_start[q] = begin
@@ -272,13 +287,14 @@ def _run(
                     else:
                         nxt_start[q] = begin
                         nxt_end[q] = copy_free
-        step_end = prev + tail
-        if record:
-            waits[s] = wait
+        # Synchronised step boundary: copies issued in this step (next-step prefetches too) finish in it.
+        compute_end = prev + tail
+        step_end = compute_end if compute_end >= copy_free else copy_free
         if s == report:
             result = _Trace(
                 step_start=t,
                 step_s=step_end - t,
+                tail_copy=step_end - compute_end,
                 compute_start=cstart,
                 compute_end=cend,
                 wait=wait,
@@ -291,18 +307,26 @@ def _run(
     assert result is not None
     if want_gain:
         gain = [0.0] * n
-        downstream = 0.0
-        chained_to_previous = False
-        for k, consumer, chained in reversed(events):
-            here = downstream if chained_to_previous else 0.0
-            if consumer in (report, report + 1):
-                here += waits[consumer][unit_of[k]]
-            if consumer == report:
-                g = min(copy_s[k], here)
-                if g > gain[k]:
-                    gain[k] = g
+        # The step's end waits on the last copy when it outlasts the compute: a downstream cost too.
+        downstream = result.tail_copy
+        chained_to_next = downstream > 0.0
+        for k, consumed_here, chained in reversed(events):
+            here = downstream if chained_to_next else 0.0
+            if consumed_here:
+                here += result.wait[unit_of[k]]
+            g = min(copy_s[k], here)
+            if g > gain[k]:
+                gain[k] = g
             downstream = here
-            chained_to_previous = chained
+            chained_to_next = chained
+        last = max((i for i in range(n_units) if position[i] >= 0), default=None)
+        if last is not None:
+            # Made resident, the last streamed unit's compute follows the post-hook that then issues the
+            # step's last copies: it can hide that much of the tail copy (ring shifts aside).
+            k = position[last]
+            credit = min(result.tail_copy, gaps[last] + compute[last])
+            if credit > gain[k]:
+                gain[k] = credit
         result.gain = gain
     return result
 
@@ -383,5 +407,6 @@ def simulate(
         streamed_bytes=sum(n for n, c in zip(layout.sizes, trace.copied, strict=True) if c),
         compute_s=measurements.compute_s,
         exposed_wait_s=sum(trace.wait),
+        tail_copy_s=trace.tail_copy,
         units=tuple(timelines),
     )

@@ -1,0 +1,479 @@
+"""One host copy of the offloaded weights per node, shared by every process that offloads the same model.
+
+[Note: shared host store]
+With ``share_host_memory`` the units' packs are byte ranges of one file under /dev/shm (a *segment*),
+mapped ``MAP_SHARED`` by every process and page-locked in each when the device is CUDA. The first process
+packs its weights into it; the others map it and point their parameters at it (they may have built the
+model on the meta device, never reading the checkpoint). Host RAM then holds one copy however many
+processes run.
+
+Name: ``flextensor-<uid>-<layout>-<content>``. ``layout`` hashes the model's parameter signature, the
+patterns and every unit's byte layout; ``content`` hashes what the weights hold (a wrap-around sum of
+every parameter plus sampled bytes), so tensor-parallel shards or another checkpoint of the same
+architecture get segments of their own. A process with meta parameters cannot hash content: it attaches
+to the one live segment of its layout and refuses to guess between several.
+
+Files are created ``O_EXCL`` with mode 0600 and must belong to this user. Three kinds of lock, all
+``flock`` (the kernel drops them when a process dies, even by ``kill -9``):
+
+- ``<name>.lock``, exclusive: a mutex around every decision about the segment (create, attach, remove).
+  Whoever removes the segment removes this file while holding it; a process that locked an unlinked lock
+  file notices (another inode is at the path, or none) and retries.
+- the segment, exclusive: held by its creator while it packs. Anyone who can lock it shared while the
+  header still says PACKING knows the creator died; the half-packed segment is removed and the next
+  process with real weights packs it again (meta processes keep waiting, then time out).
+- the segment, shared: held by every process using it, for its lifetime. A process that leaves (all
+  its packs freed, or at exit) removes the segment when it can upgrade to exclusive: it was the last.
+  A segment nobody holds (every user was killed) is a leftover; any later start removes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .config import format_bytes
+from .errors import FlexTensorError
+from .host_store import (
+    PAGE,
+    PackedParameter,
+    UnitPack,
+    fill_pack,
+    pack_layout,
+    page_lock,
+    page_unlock,
+    unpack,
+)
+from .layout import align_up
+from .profile import fingerprint_parameters
+
+logger = logging.getLogger("flextensor")
+
+SHM_DIR = "/dev/shm"
+"""Where segments live: a tmpfs, so their pages are RAM that every process maps."""
+
+SHARED_STORE_TIMEOUT_S = 600.0
+"""How long a process waits for another to finish packing (or, with meta parameters, to start)."""
+
+POLL_S = 0.05
+"""Sleep between looks at a segment that is not ready yet."""
+
+between_units_hook: Callable[[int], None] | None = None
+"""Tests only: called with the unit index after the creator packs each unit (to pause or crash there)."""
+
+_MAGIC = b"FTSHM001"
+_HEADER = struct.Struct("<8sII Q 32s 32s")  # magic, state, creator pid, total bytes, layout, content
+_STATE_OFFSET = 8
+_PACKING, _READY = 0, 1
+_SAMPLES = 8  # raw byte windows hashed per parameter, on top of the sum of all its bytes
+_WINDOW = 256
+
+Named = Sequence[tuple[str, nn.Parameter]]
+Advance = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Where each unit sits in the segment: (unit, entries, offset, nbytes); ``key`` hashes all of it."""
+
+    units: tuple[tuple[str, tuple[PackedParameter, ...], int, int], ...]
+    total: int
+    key: bytes
+
+
+def segment_layout(model: nn.Module, units: Sequence[tuple[str, Named]], patterns: object) -> SegmentLayout:
+    """Lay the units out after a header page, each at a page boundary; works on meta parameters."""
+    placed = []
+    offset = PAGE
+    for name, named in units:
+        entries, nbytes = pack_layout([(n, p) for n, p in named])
+        placed.append((name, entries, offset, nbytes))
+        offset = align_up(offset + max(nbytes, 1), PAGE)
+    described = [
+        [name, off, n, [[e.name, e.offset, e.nbytes, list(e.shape), str(e.dtype)] for e in entries]]
+        for name, entries, off, n in placed
+    ]
+    text = json.dumps([1, fingerprint_parameters(model), patterns, described, offset], default=list)
+    return SegmentLayout(tuple(placed), offset, hashlib.sha256(text.encode()).digest())
+
+
+def content_digest(tensors: Sequence[torch.Tensor]) -> bytes:
+    """A digest of what ``tensors`` hold: cheap next to loading them (one multi-threaded pass).
+
+    Per tensor: the wrap-around sum of its 8-byte words (modular, so the same for any reduction order)
+    and a few evenly spaced raw byte windows. Enough to tell a different checkpoint or shard apart.
+    """
+    h = hashlib.sha256()
+    for tensor in tensors:
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        n = data.numel()
+        words = data[: n - n % 8]
+        if words.storage_offset() % 8:
+            words = words.clone()  # an int64 view needs an 8-byte aligned start
+        total = int(words.view(torch.int64).sum()) if words.numel() else 0
+        h.update(struct.pack("<Qq", n, total))
+        step = max(n // _SAMPLES, 1)
+        for start in range(0, n, step):
+            h.update(data[start : start + _WINDOW].cpu().numpy().tobytes())
+        h.update(data[n - n % 8 :].cpu().numpy().tobytes())
+    return h.digest()
+
+
+class SharedSegment:
+    """This process's hold on one segment: its fd (with a shared flock), its mapping and its pin."""
+
+    def __init__(self, path: str, fd: int, total: int, pin: bool) -> None:
+        self.path = path
+        self.total = total
+        self._mmap = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total)
+        self._pinned = False
+        self._users = 0
+        if pin:
+            page_lock(self.buffer, total, f"the shared segment {path}")
+            self._pinned = True
+        # Runs at close(), when this object dies, or at exit: whichever comes first, once. Made last:
+        # if anything above fails, the caller still owns ``fd`` and leaves.
+        self._leave = weakref.finalize(self, _leave, path, fd, os.getpid())
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def pack(self, unit: str, entries: tuple[PackedParameter, ...], offset: int, nbytes: int) -> UnitPack:
+        """A pack over this segment's bytes [offset, offset + nbytes); the segment lives while it does."""
+        self._users += 1
+        return UnitPack.over(unit, entries, self.buffer[offset : offset + nbytes], self)
+
+    def pack_freed(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            self.close()
+
+    def set_ready(self) -> None:
+        self._mmap[_STATE_OFFSET : _STATE_OFFSET + 4] = struct.pack("<I", _READY)
+
+    def close(self) -> None:
+        """Unpin and leave: the last process to leave removes the segment."""
+        if self._pinned:
+            page_unlock(self.buffer)
+            self._pinned = False
+        self._leave()
+
+
+@dataclass
+class SharedPacks:
+    """One pack per unit, the parameters now viewing them, and the Parameter objects replaced because
+    meta tensors cannot take host data: (module, key, original, new)."""
+
+    packs: list[UnitPack]
+    parameters: list[list[tuple[str, nn.Parameter]]]
+    swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
+
+
+def pack_shared(
+    model: nn.Module,
+    units: Sequence[tuple[str, Named]],
+    patterns: object,
+    pin: bool,
+    advance: Advance = lambda n: None,
+    timeout_s: float | None = None,
+) -> SharedPacks:
+    """Put the units' weights in this node's shared segment for the model, packing it if no one has.
+
+    Processes whose streamed parameters are all real hash them and find or create their segment; those
+    with any meta parameter attach to the one live segment of this layout. Waits (up to ``timeout_s``,
+    default SHARED_STORE_TIMEOUT_S) while another process packs. All or nothing: on failure the model's
+    parameters are as they were.
+    """
+    if not os.path.isdir(SHM_DIR):
+        raise FlexTensorError(f"share_host_memory needs {SHM_DIR} (Linux); set share_host_memory=False")
+    timeout = SHARED_STORE_TIMEOUT_S if timeout_s is None else timeout_s
+    layout = segment_layout(model, units, patterns)
+    prefix = os.path.join(SHM_DIR, f"flextensor-{os.getuid()}-{layout.key.hex()[:16]}-")
+    has_data = all(p.device.type != "meta" for _, named in units for _, p in named)
+    digest = content_digest([p.data for _, named in units for _, p in named]) if has_data else b""
+    _sweep_leftovers()
+    deadline = time.monotonic() + timeout
+    waited = False
+    stuck = "if that process is stuck, stop it (a later start removes what it left)"
+    while True:
+        if has_data:
+            path = prefix + digest.hex()[:16]
+            with _mutex(path):
+                state, fd = _inspect(path, layout)
+                if state in ("absent", "removed"):
+                    fd = _create(path, layout, digest)
+                    state = "created"
+            # Packing happens outside the mutex, so that others keep polling (and can time out).
+            if state == "created":
+                return _pack_as_creator(path, _checked(fd), layout, units, pin, advance)
+            if state == "ready":
+                return _attach(model, path, _checked(fd), layout, units, pin, advance)
+            what, hint = f"another process to finish packing the weights into {path}", stuck
+        else:
+            live = _live_segments(prefix, layout)
+            ready = [(path, fd) for path, fd in live if fd is not None]
+            if len(live) > 1:
+                for _, fd in ready:
+                    os.close(fd)
+                raise FlexTensorError(
+                    f"{len(live)} models with this parameter layout share host memory on this node "
+                    f"({', '.join(p for p, _ in live)}) and this process's parameters are on the meta "
+                    "device, so it cannot tell which holds its weights; load the real weights in this "
+                    "process (they are freed once it attaches), or set share_host_memory=False"
+                )
+            if ready:
+                return _attach(model, *ready[0], layout, units, pin, advance)
+            what, hint = (
+                (f"another process to finish packing the weights into {live[0][0]}", stuck)
+                if live
+                else (
+                    f"a process with the real weights to pack them into {prefix}*",
+                    "parameters on the meta device can only attach to weights that another process of "
+                    "this node has loaded: load them in at least one process",
+                )
+            )
+        if time.monotonic() >= deadline:
+            raise FlexTensorError(
+                f"timed out after {timeout:g} s waiting for {what}; {hint}, or set share_host_memory=False"
+            )
+        if not waited:
+            logger.info("waiting for %s", what)
+            waited = True
+        time.sleep(POLL_S)
+
+
+def _checked(fd: int | None) -> int:
+    assert fd is not None
+    return fd
+
+
+def _pack_as_creator(
+    path: str, fd: int, layout: SegmentLayout, units: Sequence[tuple[str, Named]], pin: bool, advance: Advance
+) -> SharedPacks:
+    """Fill a segment this process just created (holding its exclusive lock), then mark it READY."""
+    segment = None
+    packs: list[UnitPack] = []
+    try:
+        segment = SharedSegment(path, fd, layout.total, pin)
+        for index, ((name, entries, offset, nbytes), (_, named)) in enumerate(
+            zip(layout.units, units, strict=True)
+        ):
+            packs.append(segment.pack(name, entries, offset, nbytes))
+            fill_pack(packs[-1], named)
+            advance(sum(e.nbytes for e in entries))
+            if between_units_hook is not None:
+                between_units_hook(index)
+        segment.set_ready()
+        with _mutex(path):
+            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive: others may attach now
+    except BaseException:
+        for pack, (_, named) in zip(packs, units, strict=False):
+            unpack(pack, named)
+            pack.free()  # the last one frees the segment, and so removes it
+        if segment is None:
+            _leave(path, fd, os.getpid())
+        elif not packs:
+            segment.close()
+        raise
+    logger.info("packed %s of weights into shared host memory %s", format_bytes(layout.total), path)
+    return SharedPacks(packs, [list(named) for _, named in units])
+
+
+def _attach(
+    model: nn.Module,
+    path: str,
+    fd: int,
+    layout: SegmentLayout,
+    units: Sequence[tuple[str, Named]],
+    pin: bool,
+    advance: Advance,
+) -> SharedPacks:
+    """Point the parameters at a READY segment (this process holds a shared lock on ``fd``)."""
+    try:
+        segment = SharedSegment(path, fd, layout.total, pin)
+    except BaseException:
+        _leave(path, fd, os.getpid())
+        raise
+    packs = [segment.pack(name, entries, off, n) for name, entries, off, n in layout.units]
+    new: dict[int, nn.Parameter] = {}
+    for pack, (_, named) in zip(packs, units, strict=True):
+        for entry, (_, param) in zip(pack.entries, named, strict=True):
+            if param.device.type == "meta":
+                # A meta tensor's data cannot be swapped for host data: the Parameter itself is replaced.
+                new[id(param)] = nn.Parameter(pack.view(entry), requires_grad=param.requires_grad)
+            else:
+                param.data = pack.view(entry)  # frees this process's own copy
+    swapped = [
+        (module, key, param, new[id(param)])
+        for module in model.modules()
+        for key, param in module._parameters.items()
+        if param is not None and id(param) in new
+    ]
+    for module, key, _, replacement in swapped:
+        module._parameters[key] = replacement
+    advance(sum(e.nbytes for _, entries, _, _ in layout.units for e in entries))
+    logger.info("attached to the shared host copy of the weights in %s", path)
+    parameters = [[(fqn, new.get(id(p), p)) for fqn, p in named] for _, named in units]
+    return SharedPacks(packs, parameters, swapped)
+
+
+# -- files and locks -----------------------------------------------------------------------------------
+
+
+def _open_own(path: str, flags: int) -> int:
+    """Open ``path`` (never through a symlink) and check it is this user's and private to them."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise FlexTensorError(
+            f"{path} belongs to another user or is open to others (mode {st.st_mode & 0o777:o}); "
+            "flextensor only maps its own private segments: remove the file, or set share_host_memory=False"
+        )
+    return fd
+
+
+@contextmanager
+def _mutex(path: str) -> Iterator[None]:
+    """Hold ``<path>.lock`` exclusively; remove it on the way out if the segment is gone."""
+    lock = path + ".lock"
+    while True:
+        fd = _open_own(lock, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed (or replaced) while we waited for it: lock what is there now
+    try:
+        yield
+    finally:
+        if not os.path.exists(path):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def _inspect(path: str, layout: SegmentLayout | None) -> tuple[str, int | None]:
+    """Under the mutex: "absent", "packing", "removed" (a leftover) or "ready" with an fd holding a
+    shared lock. With ``layout`` None (a sweep) the fd is never kept."""
+    try:
+        fd = _open_own(path, os.O_RDWR)
+    except FileNotFoundError:
+        return "absent", None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return "packing", None
+    magic, state, pid, total, key, _ = _HEADER.unpack(os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size))
+    if _try_exclusive(fd):
+        if state == _PACKING:
+            logger.warning("process %d died while packing %s; removing what it left", pid, path)
+        os.unlink(path)  # nobody holds it: a leftover of processes that were killed, or died packing
+        os.close(fd)
+        return "removed", None
+    if layout is None or magic != _MAGIC or state != _READY:
+        os.close(fd)
+        return ("ready" if state == _READY else "packing"), None
+    if key != layout.key or total != layout.total:
+        os.close(fd)
+        raise FlexTensorError(
+            f"{path} holds another parameter layout than this model's (a name collision); remove it once "
+            "no process uses it, or set share_host_memory=False"
+        )
+    return "ready", fd
+
+
+def _try_exclusive(fd: int) -> bool:
+    """Upgrade this fd's shared lock to exclusive if no one else holds the file; else keep it shared."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        # A failed upgrade may have dropped the shared lock (flock(2)); take it back. Every exclusive
+        # request goes through the mutex, which the caller holds, so this cannot block.
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return False
+
+
+def _live_segments(prefix: str, layout: SegmentLayout) -> list[tuple[str, int | None]]:
+    """Segments of this layout in use: (path, fd holding a shared lock) when ready, (path, None) packing."""
+    live = []
+    for path in sorted(p for p in glob.glob(glob.escape(prefix) + "*") if not p.endswith(".lock")):
+        with _mutex(path):
+            state, fd = _inspect(path, layout)
+        if state in ("ready", "packing"):
+            live.append((path, fd))
+    return live
+
+
+def _sweep_leftovers() -> None:
+    """Remove this user's segments that no process holds (their processes were killed)."""
+    for path in glob.glob(os.path.join(SHM_DIR, f"flextensor-{os.getuid()}-*")):
+        if path.endswith(".lock"):
+            continue
+        try:
+            with _mutex(path):
+                _inspect(path, None)
+        except (FlexTensorError, OSError) as exc:
+            logger.debug("not sweeping %s: %s", path, exc)
+
+
+def _create(path: str, layout: SegmentLayout, digest: bytes) -> int:
+    """Under the mutex: create the segment, locked exclusively, its memory reserved, header PACKING."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            # Reserve every page now: writing past a full tmpfs later would kill us with SIGBUS.
+            os.posix_fallocate(fd, 0, layout.total)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise FlexTensorError(
+                f"{SHM_DIR} has too little room for the {format_bytes(layout.total)} of shared weights; "
+                "enlarge it (e.g. docker run --shm-size) or set share_host_memory=False"
+            ) from None
+        os.pwrite(fd, _HEADER.pack(_MAGIC, _PACKING, os.getpid(), layout.total, layout.key, digest), 0)
+    except BaseException:
+        os.unlink(path)
+        os.close(fd)
+        raise
+    return fd
+
+
+def _leave(path: str, fd: int, pid: int) -> None:
+    """Drop this process's hold on a segment, removing it if no other process holds it."""
+    if os.getpid() != pid:
+        return  # a forked child shares the parent's lock: releasing it would release the parent's
+    try:
+        with _mutex(path):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    os.unlink(path)
+            except BlockingIOError:
+                pass
+    except (OSError, FlexTensorError) as exc:
+        # Often at exit: say why, but do not fail; a later start removes the segment if it is left.
+        logger.warning("could not leave the shared segment %s cleanly: %s", path, exc)
+    finally:
+        os.close(fd)

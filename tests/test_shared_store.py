@@ -1,0 +1,277 @@
+"""The shared host store: one copy of the weights per node, attach, meta models, locks and cleanup.
+
+In-process tests offload several models in one process (each offload holds its segment like a process
+would). The killed-process tests run this file as a script in child processes (see ``_child``) and
+``kill -9`` them while they pack or after they attached. Every test uses a fresh directory under /dev/shm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor
+from flextensor import shared_store
+from flextensor.errors import FlexTensorError, ProfileError
+
+WIDTH, DEPTH = 32, 4
+CHILD_TIMEOUT_S = 60
+
+
+def make_model(seed: int = 0, meta: bool = False) -> nn.Sequential:
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)))
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)))
+
+
+def shared_config(**kwargs: object) -> flextensor.OffloadConfig:
+    return flextensor.OffloadConfig(device="cpu", share_host_memory=True, **kwargs)
+
+
+def run_to_steady_state(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for _ in range(4):
+        y = model(x)
+    assert flextensor.phase(model) == "inference"
+    return y
+
+
+@pytest.fixture
+def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private segment directory on tmpfs; the test must leave it empty."""
+    path = Path("/dev/shm") / f"ft-test-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    monkeypatch.setattr(shared_store, "SHM_DIR", str(path))
+    try:
+        yield path
+        assert sorted(os.listdir(path)) == [], "segments or locks left behind"
+    finally:
+        for leftover in path.iterdir():
+            leftover.unlink()
+        path.rmdir()
+
+
+def segments(shm: Path) -> list[Path]:
+    return sorted(p for p in shm.iterdir() if not p.name.endswith(".lock"))
+
+
+def test_one_process_packs_a_private_segment_that_release_removes(shm: Path) -> None:
+    x = torch.randn(3, WIDTH)
+    expected = make_model()(x)
+    model = flextensor.offload(make_model(), shared_config())
+    (segment,) = segments(shm)
+    assert segment.name.startswith(f"flextensor-{os.getuid()}-")
+    assert segment.stat().st_mode & 0o777 == 0o600
+    assert (shm / (segment.name + ".lock")).stat().st_mode & 0o777 == 0o600
+    assert all(u.pack.shared for u in model._flextensor_engine.units.values())
+    assert torch.equal(run_to_steady_state(model, x), expected)
+    flextensor.release(model, "cpu")
+    assert segments(shm) == []
+    assert torch.equal(model(x), expected)
+
+
+def test_a_second_model_with_the_same_weights_maps_the_same_copy(shm: Path) -> None:
+    a = flextensor.offload(make_model(), shared_config())
+    b = flextensor.offload(make_model(), shared_config())
+    assert len(segments(shm)) == 1
+    pack_a = a._flextensor_engine.units["0"].pack
+    pack_b = b._flextensor_engine.units["0"].pack
+    assert pack_a.buffer.data_ptr() != pack_b.buffer.data_ptr()  # two mappings ...
+    pack_a.buffer[:4] += 1
+    assert torch.equal(pack_a.buffer[:4], pack_b.buffer[:4])  # ... of one memory
+    flextensor.release(a)
+    assert len(segments(shm)) == 1  # b still holds it
+    flextensor.release(b)
+
+
+def test_a_model_built_on_meta_attaches_without_reading_weights(shm: Path) -> None:
+    x = torch.randn(2, WIDTH)
+    loaded = flextensor.offload(make_model(), shared_config())
+    meta = make_model(meta=True)
+    originals = list(meta.parameters())
+    flextensor.offload(meta, shared_config())
+    assert all(p.device.type == "cpu" for p in meta.parameters())
+    assert not any(p is q for p, q in zip(meta.parameters(), originals, strict=True))
+    assert torch.equal(run_to_steady_state(meta, x), run_to_steady_state(loaded, x))
+    flextensor.release(meta, "cpu")
+    assert torch.equal(meta(x), make_model()(x))
+    flextensor.release(loaded)
+
+
+def test_a_meta_model_with_nothing_to_attach_to_times_out_clearly(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_store, "SHARED_STORE_TIMEOUT_S", 0.3)
+    meta = make_model(meta=True)
+    originals = list(meta.parameters())
+    with pytest.raises(FlexTensorError, match=r"timed out after 0.3 s waiting for a process with the real"):
+        flextensor.offload(meta, shared_config())
+    assert all(p is q and p.is_meta for p, q in zip(meta.parameters(), originals, strict=True))
+
+
+def test_meta_weights_that_stay_resident_are_refused(shm: Path) -> None:
+    with pytest.raises(FlexTensorError, match=r"parameter '3.weight' is on the meta device .* not offloaded"):
+        flextensor.offload(make_model(meta=True), shared_config(exclude_patterns=["3"]))
+
+
+def test_other_weights_of_the_same_layout_get_their_own_segment(shm: Path) -> None:
+    # Tensor-parallel shards or another checkpoint: same shapes, other values.
+    a = flextensor.offload(make_model(seed=0), shared_config())
+    b = flextensor.offload(make_model(seed=1), shared_config())
+    assert len(segments(shm)) == 2
+    x = torch.randn(2, WIDTH)
+    assert torch.equal(run_to_steady_state(b, x), make_model(seed=1)(x))
+    with pytest.raises(FlexTensorError, match=r"2 models with this parameter layout .* meta device"):
+        flextensor.offload(make_model(meta=True), shared_config())
+    flextensor.release(a)
+    flextensor.release(b)
+
+
+def test_a_failed_offload_rolls_back_and_leaves_no_segment(shm: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.json"
+    model = make_model()
+    with pytest.raises(ProfileError):
+        flextensor.offload(model, shared_config(profile=missing))
+    assert segments(shm) == []
+    assert torch.equal(model(torch.ones(1, WIDTH)), make_model()(torch.ones(1, WIDTH)))
+
+    loaded = flextensor.offload(make_model(), shared_config())
+    meta = make_model(meta=True)
+    originals = list(meta.parameters())
+    with pytest.raises(ProfileError):
+        flextensor.offload(meta, shared_config(profile=missing))
+    assert all(p is q and p.is_meta for p, q in zip(meta.parameters(), originals, strict=True))
+    flextensor.release(loaded)
+
+
+def test_a_creator_that_fails_while_packing_restores_its_model(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(index: int) -> None:
+        if index == 1:
+            raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(shared_store, "between_units_hook", fail)
+    model = make_model()
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        flextensor.offload(model, shared_config())
+    assert all(p.untyped_storage().size() == p.numel() * p.element_size() for p in model.parameters())
+    x = torch.randn(2, WIDTH)
+    assert torch.equal(model(x), make_model()(x))
+
+
+def test_a_forked_child_leaving_does_not_drop_the_parents_hold(shm: Path) -> None:
+    model = flextensor.offload(make_model(), shared_config())
+    segment = model._flextensor_engine.units["0"].pack._owner
+    pid = os.fork()
+    if pid == 0:  # the child shares the parent's lock; leaving (as at its exit) must not release it
+        segment._leave()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert len(segments(shm)) == 1
+    flextensor.release(model)
+
+
+def test_a_segment_open_to_other_users_is_refused(shm: Path) -> None:
+    model = make_model()
+    units = [(str(i), [(f"{i}.weight", m.weight), (f"{i}.bias", m.bias)]) for i, m in enumerate(model)]
+    layout = shared_store.segment_layout(model, units, [["*"], []])
+    digest = shared_store.content_digest([p for _, named in units for _, p in named])
+    name = f"flextensor-{os.getuid()}-{layout.key.hex()[:16]}-{digest.hex()[:16]}"
+    planted = shm / name
+    planted.touch(mode=0o644)
+    planted.chmod(0o644)
+    with pytest.raises(FlexTensorError, match=f"{planted} belongs to another user or is open to others"):
+        flextensor.offload(model, shared_config())
+    planted.unlink()
+    (shm / (name + ".lock")).unlink(missing_ok=True)
+
+
+# -- other processes, killed -------------------------------------------------------------------------------
+
+
+def start_child(shm: Path, role: str, seed: int = 0) -> subprocess.Popen[str]:
+    """Run ``_child(role)`` and wait until it reports that it packs ("packing") or holds ("holding")."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), ""])}
+    child = subprocess.Popen(
+        [sys.executable, __file__, role, str(shm), str(seed)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()
+    assert line in ("packing", "holding"), f"child said {line!r}"
+    return child
+
+
+def kill(child: subprocess.Popen[str]) -> None:
+    child.send_signal(signal.SIGKILL)
+    child.wait(CHILD_TIMEOUT_S)
+
+
+def test_a_process_killed_while_packing_is_waited_for_then_replaced(
+    shm: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(shared_store, "SHARED_STORE_TIMEOUT_S", 0.5)
+    child = start_child(shm, "stall")
+    try:
+        with pytest.raises(FlexTensorError, match=r"timed out after 0.5 s waiting for another process"):
+            flextensor.offload(make_model(), shared_config())
+    finally:
+        kill(child)
+    assert len(segments(shm)) == 1  # half packed, its creator dead
+    x = torch.randn(2, WIDTH)
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        model = flextensor.offload(make_model(), shared_config())
+    assert f"process {child.pid} died while packing" in caplog.text
+    assert torch.equal(run_to_steady_state(model, x), make_model()(x))
+    flextensor.release(model)
+
+
+def test_segments_go_when_the_last_holder_leaves_even_after_kill_9(shm: Path) -> None:
+    model = flextensor.offload(make_model(), shared_config())
+    kill(start_child(shm, "hold"))  # attached, then killed: its hold goes with it
+    assert len(segments(shm)) == 1
+    flextensor.release(model)
+    assert segments(shm) == []
+
+    # Every holder killed: a leftover, removed by the next start (of any model).
+    kill(start_child(shm, "hold", seed=1))
+    (leftover,) = segments(shm)
+    model = flextensor.offload(make_model(), shared_config())
+    assert leftover not in segments(shm) and len(segments(shm)) == 1
+    flextensor.release(model)
+
+
+def _child(role: str, shm: str, seed: int) -> None:
+    """A process that offloads with sharing and then waits to be killed, reporting on stdout."""
+    import time
+
+    shared_store.SHM_DIR = shm
+
+    def stall(index: int) -> None:
+        if index == 1:
+            print("packing", flush=True)
+            time.sleep(CHILD_TIMEOUT_S)
+
+    if role == "stall":
+        shared_store.between_units_hook = stall
+    flextensor.offload(make_model(seed), shared_config())
+    print("holding", flush=True)
+    time.sleep(CHILD_TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]))
