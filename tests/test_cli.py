@@ -190,7 +190,8 @@ def test_run_demo_falls_back_to_an_mlp_stack(monkeypatch: pytest.MonkeyPatch) ->
     assert result["model"].startswith("MLP stack")
     assert result["bitwise_equal"] is True and result["max_abs_diff"] == 0.0
     assert result["forwards_to_steady"] == 2
-    assert 0 < result["offloaded_weights_bytes"] <= result["weights_bytes"]
+    # An all-resident plan holds the weights plus alignment padding (512 B per parameter): tiny here.
+    assert 0 < result["offloaded_weights_bytes"] <= 1.25 * result["weights_bytes"]
     assert result["native_peak_bytes"] is None and result["offloaded_step_s"] > 0
     assert [u.name for u in result["report"].units] == ["layers.0", "layers.1", "layers.2"]
 
