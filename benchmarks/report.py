@@ -87,7 +87,7 @@ def format_table(doc: dict[str, Any]) -> list[str]:
             _gb(r.get("gpu_peak_allocated_bytes")) if ok else "",
             _gb(r.get("gpu_peak_reserved_bytes")) if ok else "",
             _gb(r.get("host_rss_peak_bytes"))
-            + (f" ({_gb(r['host_rss_anon_peak_bytes'])} anon)" if r.get("host_rss_anon_peak_bytes") else ""),
+            + (f" ({_gb(r['host_rss_file_peak_bytes'])} file)" if r.get("host_rss_file_peak_bytes") else ""),
             streamed,
             rate,
             warm,
@@ -167,8 +167,10 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
 
 def section(doc: dict[str, Any], img_dir: Path, docs_path: Path) -> list[str]:
     link = doc.get("link") or {}
-    name = f"{doc['workload']}-{str(doc['device']).replace(':', '')}"
-    out = [f"### `{doc['workload']}` ({link.get('gpu') or doc['device']}, {doc.get('created', '')[:10]})", ""]
+    stamp = "".join(c for c in str(doc.get("created", ""))[:16] if c.isdigit())
+    name = f"{doc['workload']}-{str(doc['device']).replace(':', '')}-{stamp}"
+    created = str(doc.get("created", ""))[:16].replace("T", " ")
+    out = [f"### `{doc['workload']}` ({link.get('gpu') or doc['device']}, {created})", ""]
     out += [doc.get("description", ""), ""]
     if link.get("h2d_pinned_GBps"):
         out += [
@@ -187,8 +189,10 @@ def section(doc: dict[str, Any], img_dir: Path, docs_path: Path) -> list[str]:
 
 
 def newest_results(results: Path, include_cpu: bool) -> list[dict[str, Any]]:
-    """The newest result file of each (workload, device), GPU ones only unless ``include_cpu``."""
-    best: dict[tuple[str, str], dict[str, Any]] = {}
+    """Every result file, newest first within each (workload, device); GPU ones only unless
+    ``include_cpu``. Each invocation keeps its own table: ratios are only valid against the native run
+    of the same invocation."""
+    found: list[dict[str, Any]] = []
     for f in sorted(results.glob("*.json")):
         try:
             doc = json.loads(f.read_text())
@@ -198,13 +202,10 @@ def newest_results(results: Path, include_cpu: bool) -> list[dict[str, Any]]:
             continue
         if not include_cpu and not str(doc.get("device", "")).startswith("cuda"):
             continue
-        key = (doc["workload"], doc["device"])
-        if key not in best or doc.get("created", "") >= best[key].get("created", ""):
-            best[key] = doc
+        found.append(doc)
     rank = {w: i for i, w in enumerate(ORDER)}
-    return sorted(
-        best.values(), key=lambda d: (rank.get(d["workload"], len(ORDER)), d["workload"], d["device"])
-    )
+    found.sort(key=lambda d: str(d.get("created", "")), reverse=True)
+    return sorted(found, key=lambda d: (rank.get(d["workload"], len(ORDER)), d["workload"], d["device"]))
 
 
 def render(docs: list[dict[str, Any]], img_dir: Path, docs_path: Path) -> str:
@@ -213,7 +214,9 @@ def render(docs: list[dict[str, Any]], img_dir: Path, docs_path: Path) -> str:
     lines = [
         "Columns: median of the timed steady steps; *vs native* = that median over the reference's median in "
         "the same invocation; peak memory over the timed steps (`max_memory_allocated` / "
-        "`max_memory_reserved`); host RSS peak of the method's process (`ru_maxrss`, loading included); "
+        "`max_memory_reserved`); host RSS peak of the method's process (`ru_maxrss`, loading included; in "
+        "brackets the peak of its file-backed part: the checkpoint's page cache mapped by safetensors, "
+        "clean and reclaimable); "
         "streamed bytes per steady step, counted from the CUDA trace of one extra step (marked * when "
         "only the method's plan or an estimate was available) and that over the step time; forwards and "
         "seconds from the start of setup to the first steady step.",
