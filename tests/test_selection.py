@@ -321,18 +321,10 @@ def test_module_shared_by_two_units_keeps_its_parameters_resident() -> None:
 
 
 def tiny_llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    pytest.importorskip("transformers")
+    from real_models import tiny_llama as build
+
+    return build(layers=2)
 
 
 def test_llama_include_star() -> None:
