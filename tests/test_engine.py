@@ -389,3 +389,100 @@ def test_load_state_dict_while_offloaded_is_refused() -> None:
     model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
     with pytest.raises(RuntimeError, match="release"):
         model.load_state_dict(make_spec_model().state_dict())
+
+
+# -- units that must not stream ---------------------------------------------------------------------------
+
+
+class Nested(nn.Module):
+    """Unit ``a`` calls unit ``b`` in the middle of its own forward."""
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(16, 16)
+            self.l2 = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, inner: nn.Module) -> torch.Tensor:
+            return self.l2(inner(self.l1(x)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = Nested.Outer()
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.a(x, self.b))
+
+
+def test_unit_running_inside_another_unit_stays_resident_and_outputs_stay_right() -> None:
+    x = torch.randn(4, 16)
+    ref = Nested()(x).detach()
+    model = Nested()
+    model = flextensor.offload(model, streaming_config(model))
+    assert_all_equal(run_forwards(model, x, 5), ref)
+    assert "b" not in flextensor.offload_units(model)
+    assert {"b.weight", "b.bias"} <= set(flextensor.resident_parameters(model))
+
+
+class PositionTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pe = nn.Parameter(torch.randn(1, 32, 16))
+
+    def forward(self, n: int) -> torch.Tensor:
+        return self.pe[:, :n]  # a view of the weight itself
+
+
+class ReturnsItsWeight(nn.Module):
+    """A positional table whose forward returns a view of its own parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = PositionTable()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        pe = self.table(x.shape[1])
+        for block in self.blocks:
+            x = block(x)
+        return x + pe
+
+
+def test_unit_whose_output_views_its_weights_stays_resident() -> None:
+    x = torch.randn(2, 8, 16)
+    ref = ReturnsItsWeight()(x).detach()
+    model = ReturnsItsWeight()
+    model = flextensor.offload(model, streaming_config(model, ["table", "blocks.*"]))
+    assert "table" in flextensor.offload_units(model)
+    assert_all_equal(run_forwards(model, x, 5), ref)
+    assert "table.pe" in flextensor.resident_parameters(model)
+
+
+def test_dtype_or_device_conversion_while_offloaded_is_refused_until_release() -> None:
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    with pytest.raises(RuntimeError, match="release"):
+        model.half()
+    with pytest.raises(RuntimeError, match="release"):
+        model.to("cpu")
+    flextensor.release(model)
+    model.double()  # a plain module again
+    assert next(model.parameters()).dtype == torch.float64
+
+
+def test_switching_back_to_known_input_shapes_reuses_their_plan() -> None:
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model))
+    short, long = spec_tokens(seq=8), spec_tokens(seq=32)
+    refs = {8: run_forwards(make_spec_model(), short, 1)[0], 32: run_forwards(make_spec_model(), long, 1)[0]}
+    run_forwards(model, short, 3)
+    run_forwards(model, long, 2)
+    engine = model._flextensor_engine
+    plans = dict(engine._plans)
+    with torch.no_grad():
+        for tokens in (short, long, short, long):
+            assert torch.equal(model(tokens), refs[tokens.shape[1]])
+    assert engine._plans == plans  # no new profiling: both plans were reused

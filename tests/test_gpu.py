@@ -69,13 +69,15 @@ def test_llama_bitwise_on_cuda_and_pinned_host_store() -> None:
     inputs = llama_inputs(batch=2, seq=128)
     inputs = torch.randint(0, 4096, (2, 128), generator=torch.Generator().manual_seed(1))
     ref, _ = _native_reference(medium_llama, inputs)
-    model = flextensor.offload(medium_llama(), flextensor.OffloadConfig(include_patterns=["model.layers.*"]))
+    config = flextensor.OffloadConfig(include_patterns=["model.layers.*"], gpu_memory_budget="200MiB")
+    model = flextensor.offload(medium_llama(), config)
     engine = model._flextensor_engine
     assert all(u.pack.pinned and u.pack.buffer.is_pinned() for u in engine.units.values())
     with torch.no_grad():
         for _ in range(5):
             assert torch.equal(model(inputs.cuda()).logits, ref)
     assert flextensor.phase(model) == "inference"
+    assert engine.plan is not None and len(engine.plan.streamed) >= 4  # the streaming path ran
     flextensor.release(model)
 
 

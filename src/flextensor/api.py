@@ -13,7 +13,7 @@ from .bandwidth import probe_link
 from .config import OffloadConfig
 from .engine import OffloadEngine, Phase, UnitState, provisional_arena_bytes
 from .errors import AlreadyOffloadedError, FlexTensorError, NotOffloadedError
-from .host_store import UnitPack, pack_unit
+from .host_store import PackedParameter, UnitPack, pack_unit
 from .progress import progress_bar
 from .runtime import DeviceRuntime
 from .selection import Selection, select
@@ -82,6 +82,7 @@ class _Rollback:
         self.selection = selection
         self.runtime = runtime
         self.packs: list[UnitPack] = []
+        self.packed: list[list[tuple[nn.Parameter, PackedParameter]]] = []  # per unit, as packed
         self.units: list[UnitState] = []
         self.original_devices = {id(p): p.device for p in model.parameters()}
         self.moved: list[tuple[nn.Parameter, torch.Tensor]] = []
@@ -127,6 +128,7 @@ class _Rollback:
     def _add_unit(
         self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], pack: UnitPack
     ) -> None:
+        self.packed.append([(p, e) for (_, p), e in zip(named, pack.entries, strict=True)])
         self.units.append(
             UnitState(
                 name=name,
@@ -180,8 +182,11 @@ class _Rollback:
         for module, key, original_param, _ in self.swapped:
             module._parameters[key] = original_param
         swapped = {id(new) for _, _, _, new in self.swapped}
-        for unit in self.units:
-            for _, param, entry in unit.parameters:
+        self.runtime.synchronize()  # copies issued so far may still read the packs
+        # Every parameter as packed, from the record made at pack time: the engine may have moved some
+        # out of their units since (weights kept resident).
+        for unit, packed in zip(self.units, self.packed, strict=True):
+            for param, entry in packed:
                 if id(param) in swapped:
                     continue
                 original = self.original_devices[id(param)]

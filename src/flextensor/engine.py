@@ -140,6 +140,7 @@ class OffloadEngine:
         self._unit_handles: dict[str, list[torch.utils.hooks.RemovableHandle]] = {}
         self._owner_of: dict[int, str] = {id(p): u.name for u in units for _, p, _ in u.parameters}
         self._active: set[str] = set()
+        self._must_stay_resident: dict[str, str] = {}  # unit -> why streaming it would be unsafe
         self._tracker: OutsideReadTracker | None = None
         self._profiler: StepProfiler | None = None
         self._owner_thread: int | None = None
@@ -258,6 +259,9 @@ class OffloadEngine:
         self._handles.append(self.model.register_forward_hook(self._on_model_post, always_call=True))
         self._sync_unit_hooks()
 
+        # model.to()/.half()/.cuda() would give every parameter new storage, detached from the arena and
+        # the host store: refuse them on the instance until release().
+        self.model._apply = self._refuse_apply  # type: ignore[method-assign]
         # torch tags these hooks with attributes, which bound methods cannot carry: wrap in functions.
         self._handles.append(
             self.model.register_state_dict_post_hook(lambda *a: self._state_dict_from_host(*a))
@@ -275,6 +279,12 @@ class OffloadEngine:
                 key = prefix + fqn
                 if key in state_dict:
                     state_dict[key] = unit.pack.view(entry)
+
+    def _refuse_apply(self, *args: Any, **kwargs: Any) -> nn.Module:
+        raise RuntimeError(
+            "model.to()/.half()/.float()/.cuda() on an offloaded model would detach its parameters from "
+            "flextensor's buffers; call flextensor.release(model) first, convert, then offload again"
+        )
 
     def _refuse_load_state_dict(self, module: nn.Module, *args: Any) -> None:
         raise RuntimeError(
@@ -301,6 +311,7 @@ class OffloadEngine:
                     handle.remove()
 
     def detach(self) -> None:
+        self.model.__dict__.pop("_apply", None)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -386,30 +397,43 @@ class OffloadEngine:
         return hook
 
     def _unit_post_hook(self, unit: UnitState) -> Any:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             guard = self._grad_guards.pop(unit.name, None)
             if guard is not None:
                 guard.__exit__(None, None, None)
             if self._recorder is not None:
                 self._recorder.compute_end(unit.name)
             if unit.resident and self.phase is Phase.INFERENCE:
-                return
+                return None
+            replaced = None
+            if self.phase is Phase.DISCOVERY and not unit.resident and self._aliases_arena(output):
+                self._must_stay_resident.setdefault(unit.name, "its output is a view of its weights")
+                # Later copies would overwrite what this output views: hand the caller a copy, taken
+                # before compute_done is recorded so that those copies wait for it.
+                replaced = _clone_tensors(output)
             unit.compute_done.record(self.runtime.current_stream())
             if self.phase is not Phase.INFERENCE:
                 self._active.discard(unit.name)
                 if self._profiler is not None:
                     self._profiler.unit_end(unit.name)
-                return
+                return replaced
             for upcoming in unit.prefetch_next:
                 if not upcoming.valid:
                     self._copy_in(upcoming, (unit,))
+            return None
 
         return hook
 
     def _unit_pre_learning(self, unit: UnitState) -> None:
         """Discovery and profiling: record the order, load on demand, time when profiling."""
-        if self.phase is Phase.DISCOVERY and unit.name not in self.order:
-            self.order.append(unit.name)
+        if self.phase is Phase.DISCOVERY:
+            if unit.name not in self.order:
+                self.order.append(unit.name)
+            if self._active - {unit.name}:
+                # A unit running inside another's forward: a prefetch issued after it would overwrite
+                # ranges the outer unit still reads. Keep it resident instead.
+                outer = next(iter(self._active - {unit.name}))
+                self._must_stay_resident.setdefault(unit.name, f"it runs inside unit {outer!r}")
         self._active.add(unit.name)
         if self._profiler is not None:
             self._profiler.before_load(unit.name, unit.nbytes)
@@ -461,11 +485,49 @@ class OffloadEngine:
                 logger.info("keeping %s resident: %s", fqn, reason)
                 return
 
+    def _aliases_arena(self, output: Any) -> bool:
+        """Whether a unit's output (a tensor, or a tuple/list/dict of them) views the arena."""
+        if self._arena is None:
+            return False
+        arena = self._arena.untyped_storage().data_ptr()
+        if isinstance(output, torch.Tensor):
+            values: Any = (output,)
+        elif isinstance(output, dict):  # transformers' ModelOutput is a dict too
+            values = tuple(output.values())
+        elif isinstance(output, (tuple, list)):
+            values = output
+        else:
+            return False
+        for value in values:
+            if isinstance(value, torch.Tensor) and value.device == self.runtime.device:
+                try:
+                    if value.untyped_storage().data_ptr() == arena:
+                        return True
+                except (RuntimeError, NotImplementedError):
+                    continue  # tensors without a plain storage cannot view the arena
+        return False
+
+    def _drop_empty_units(self) -> None:
+        """Forget units left with nothing to stream: no hooks, no pack, no place in the order."""
+        for name in [n for n, u in self.units.items() if not u.parameters]:
+            for handle in self._unit_handles.pop(name, []):
+                handle.remove()
+            self.units.pop(name).pack.free()
+            logger.info("unit %s streams nothing now; it is no longer an offload unit", name)
+        self.order = [u for u in self.order if u in self.units]
+
     def _end_discovery_forward(self) -> None:
         self._phase_forwards += 1
         if self._phase_forwards < self.config.discovery_forwards:
             return
         self._phase_forwards = 0
+        for name, reason in self._must_stay_resident.items():
+            if name in self.units:
+                for _, param, _ in list(self.units[name].parameters):
+                    self.keep_resident(id(param), f"its unit {name!r} must stay resident: {reason}")
+        self._must_stay_resident.clear()
+        self.runtime.synchronize()  # the packs of dropped units may still be read by copies in flight
+        self._drop_empty_units()
         ran = [u for u in self.order if self.units[u].parameters]
         idle = [u for u in self.units if u not in self.order]
         if idle:
@@ -523,15 +585,16 @@ class OffloadEngine:
     def _on_new_input(self, shapes: tuple[str, ...]) -> None:
         """Inputs changed in steady state: reuse the plan made for them, or profile them and re-plan."""
         known = self._plans.get(shapes)
-        self.input_shapes = shapes
         if known is not None:
             if known.plan is not self.plan:
-                self.measurements, self.plan = known.measurements, known.plan
                 self.apply_layout(list(known.plan.streamed), known.plan.resident, known.plan.arena_bytes)
+                self.measurements, self.plan = known.measurements, known.plan
                 self._sync_unit_hooks()
+            self.input_shapes = shapes  # only once its layout is in place: a failure retries next time
             return
         logger.info("new input shapes %s: profiling them and re-planning", ", ".join(shapes))
         self.apply_layout(self.order, (), provisional_arena_bytes([self.units[u].nbytes for u in self.order]))
+        self.input_shapes = shapes
         self._set_phase(Phase.PROFILING)
         self._sync_unit_hooks()
         self._profiler = StepProfiler(self.runtime)
@@ -576,8 +639,33 @@ def provisional_arena_bytes(sizes: list[int]) -> int:
     return min(2 * minimal_arena_bytes(sizes), sum(align_up(s, UNIT_ALIGNMENT) for s in sizes))
 
 
+def _clone_tensors(output: Any) -> Any:
+    """``output`` with its tensors cloned (a tensor, or a tuple/list/dict of them)."""
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if isinstance(output, dict):
+        copy = output.copy()
+        for key, value in output.items():
+            copy[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return copy
+    if isinstance(output, (tuple, list)):
+        return type(output)(v.clone() if isinstance(v, torch.Tensor) else v for v in output)
+    return output
+
+
+def _bucket(n: int) -> int:
+    """Round a dimension up to a power of two: a decode loop whose mask grows by one each step re-plans
+    log2(length) times, not every step."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def _input_shapes(args: tuple, kwargs: dict) -> tuple[str, ...]:
-    """Shapes of the tensors passed to the model's forward: what the plan's activations depend on."""
-    shapes = [f"{i}:{tuple(a.shape)}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    shapes += [f"{k}:{tuple(v.shape)}" for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    """Bucketed shapes of the tensors passed to the model's forward: what the plan's activations depend
+    on. Each dimension is rounded up to a power of two (see _bucket)."""
+    shapes = [
+        f"{i}:{tuple(map(_bucket, a.shape))}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+    ]
+    shapes += [
+        f"{k}:{tuple(map(_bucket, v.shape))}" for k, v in kwargs.items() if isinstance(v, torch.Tensor)
+    ]
     return tuple(shapes)
