@@ -259,9 +259,10 @@ class OffloadEngine:
         self._handles.append(self.model.register_forward_hook(self._on_model_post, always_call=True))
         self._sync_unit_hooks()
 
-        # model.to()/.half()/.cuda() would give every parameter new storage, detached from the arena and
-        # the host store: refuse them on the instance until release().
-        self.model._apply = self._refuse_apply  # type: ignore[method-assign]
+        # model.to()/.half()/.cuda() that would give a streamed parameter new storage would detach it
+        # from the arena: guard them on the instance until release(). A no-op move (a diffusers
+        # pipeline's pipe.to("cuda") reaching an offloaded transformer) still goes through.
+        self.model._apply = self._guarded_apply  # type: ignore[method-assign]
         # torch tags these hooks with attributes, which bound methods cannot carry: wrap in functions.
         self._handles.append(
             self.model.register_state_dict_post_hook(lambda *a: self._state_dict_from_host(*a))
@@ -280,11 +281,24 @@ class OffloadEngine:
                 if key in state_dict:
                     state_dict[key] = unit.pack.view(entry)
 
-    def _refuse_apply(self, *args: Any, **kwargs: Any) -> nn.Module:
-        raise RuntimeError(
-            "model.to()/.half()/.float()/.cuda() on an offloaded model would detach its parameters from "
-            "flextensor's buffers; call flextensor.release(model) first, convert, then offload again"
-        )
+    def _guarded_apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+        """``nn.Module._apply``, but only when it leaves every streamed parameter where it is."""
+        for unit in self.units.values():
+            for fqn, param, _ in unit.parameters:
+                applied = fn(param)
+                same = (applied.data_ptr(), applied.dtype, applied.device) == (
+                    param.data_ptr(),
+                    param.dtype,
+                    param.device,
+                )
+                if not same:
+                    raise RuntimeError(
+                        f"this conversion would give the offloaded parameter {fqn!r} new storage "
+                        f"({param.dtype} on {param.device} -> {applied.dtype} on {applied.device}), "
+                        "detached from flextensor's buffers; call flextensor.release(model) first, "
+                        "convert, then offload again"
+                    )
+        return type(self.model)._apply(self.model, fn, *args, **kwargs)
 
     def _refuse_load_state_dict(self, module: nn.Module, *args: Any) -> None:
         raise RuntimeError(
