@@ -367,16 +367,35 @@ def test_forward_from_second_thread_raises() -> None:
             release_gate.wait(10)
             return self.b(x)
 
-    model = flextensor.offload(Slow(), flextensor.OffloadConfig(**CPU))
-    worker = threading.Thread(target=lambda: model(torch.randn(1, 4)))
+    torch.manual_seed(0)
+    x = torch.randn(1, 4)
+    reference = Slow()
+    reference.load_state_dict(Slow().state_dict())
+    model = Slow()
+    model.load_state_dict(reference.state_dict())
+    release_gate.set()
+    with torch.no_grad():
+        ref = reference(x)
+    release_gate.clear()
+    model = flextensor.offload(model, streaming_config(model))
+    outputs: list[torch.Tensor] = []
+
+    def first_thread() -> None:
+        with torch.no_grad():
+            outputs.append(model(x))
+
+    worker = threading.Thread(target=first_thread)
     worker.start()
     assert started.wait(10)
     try:
         with pytest.raises(ConcurrentForwardError):
-            model(torch.randn(1, 4))
+            model(x)
+        with pytest.raises(ConcurrentForwardError):
+            model.b(x)  # a unit called directly from the second thread
     finally:
         release_gate.set()
         worker.join(10)
+    assert outputs and torch.equal(outputs[0], ref)  # the running forward was not disturbed
     model(torch.randn(1, 4))  # and the first thread's forward left the model usable
 
 
@@ -492,3 +511,71 @@ def test_switching_back_to_known_input_shapes_reuses_their_plan() -> None:
         for tokens in (short, long, short, long):
             assert torch.equal(model(tokens), refs[tokens.shape[1]])
     assert engine._plans == plans  # no new profiling: both plans were reused
+
+
+class Flaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if fail and i == 1:
+                raise ValueError("user code failed mid-forward")
+            x = block(x)
+        return x
+
+
+def test_a_forward_that_raises_does_not_count_as_a_learning_forward() -> None:
+    x = torch.randn(2, 8)
+    ref = Flaky()(x).detach()
+    model = Flaky()
+    model = flextensor.offload(model, streaming_config(model))
+    with pytest.raises(ValueError, match="mid-forward"):
+        model(x, fail=True)
+    assert flextensor.phase(model) == "discovery"  # the partial order was not taken as the order
+    with pytest.raises(ValueError, match="mid-forward"):
+        model(x, fail=True)
+    assert_all_equal(run_forwards(model, x, 4), ref)
+    assert flextensor.phase(model) == "inference"
+    assert flextensor.offload_units(model) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+class _SavesSparse(torch.autograd.Function):
+    """Saves a sparse tensor for backward: it has no plain storage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x.detach().to_sparse())
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _SparseSavingBlock(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_SavesSparse.apply(x))  # inside the unit, under its saved-tensor guard
+
+
+class SparseInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_SparseSavingBlock(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_grad_enabled_forward_with_storage_less_saved_tensors_runs() -> None:
+    x = torch.randn(2, 8)
+    ref = SparseInput()(x).detach()
+    model = SparseInput()
+    model = flextensor.offload(model, streaming_config(model))
+    for _ in range(4):
+        assert torch.equal(model(x).detach(), ref)  # grad enabled: the saved-tensor guard is active

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -144,6 +145,7 @@ class OffloadEngine:
         self._tracker: OutsideReadTracker | None = None
         self._profiler: StepProfiler | None = None
         self._owner_thread: int | None = None
+        self._owner_lock = threading.Lock()  # makes the owner check-and-set atomic between threads
         self._depth = 0
         self._grad_guards: dict[str, Any] = {}
         self._recorder: StepRecorder | None = None  # armed for one steady step; None costs nothing
@@ -336,13 +338,14 @@ class OffloadEngine:
 
     def _on_model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         me = threading.get_ident()
-        if self._owner_thread is not None and self._owner_thread != me:
-            raise ConcurrentForwardError(
-                f"a forward of this offloaded {type(self.model).__name__} is already running in another "
-                "thread; its weights share one device arena, so run forwards one at a time (use a lock) "
-                "or offload one model per thread"
-            )
-        self._owner_thread = me
+        with self._owner_lock:
+            if self._owner_thread is not None and self._owner_thread != me:
+                raise ConcurrentForwardError(
+                    f"a forward of this offloaded {type(self.model).__name__} is already running in "
+                    "another thread; its weights share one device arena, so run forwards one at a time "
+                    "(use a lock) or offload one model per thread"
+                )
+            self._owner_thread = me
         self._depth += 1
         if self._depth > 1:
             return
@@ -370,18 +373,23 @@ class OffloadEngine:
         if self._depth > 0:
             return
         self._owner_thread = None
+        # PyTorch calls always_call hooks from inside its exception handler when forward raised.
+        failed = output is None and sys.exc_info()[0] is not None
         self.forwards += 1
         if self._recorder is not None:
             self._recorder.finish()
             self.last_recording, self._recorder = self._recorder, None
+        self._active.clear()
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None
-            self._end_discovery_forward()
+            if not failed:  # a partial order would make a wrong plan: learn again next forward
+                self._end_discovery_forward()
         elif self._profiler is not None:
             sample = self._profiler.end_step()
             self._profiler = None
-            self._end_profiling_forward(sample)
+            if not failed:
+                self._end_profiling_forward(sample)
 
     def _unit_pre_hook(self, unit: UnitState) -> Any:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -412,6 +420,9 @@ class OffloadEngine:
 
     def _unit_post_hook(self, unit: UnitState) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            owner = self._owner_thread
+            if owner is not None and owner != threading.get_ident():
+                return None  # the rejected call of a second thread: the running forward's state is not ours
             guard = self._grad_guards.pop(unit.name, None)
             if guard is not None:
                 guard.__exit__(None, None, None)
@@ -463,7 +474,11 @@ class OffloadEngine:
         name = unit.name
 
         def pack(tensor: torch.Tensor) -> Any:
-            if arena_storage is not None and tensor.untyped_storage().data_ptr() == arena_storage:
+            try:
+                pointer = tensor.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):
+                return tensor  # wrapper subclasses and sparse tensors have no plain storage to alias
+            if arena_storage is not None and pointer == arena_storage:
                 return _StreamedWeightRef(name)
             return tensor
 
