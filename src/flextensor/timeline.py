@@ -141,14 +141,16 @@ class StepRecorder:
         def at(event: Any) -> float:
             return self.start.elapsed_time(event) / 1000.0
 
-        # A unit's copy is the last one issued for it before its compute started (it may have been
-        # prefetched in the previous step, in which case it is not part of this step's timeline).
-        copy_of: dict[str, tuple[float, float]] = {}
+        # A unit's copy is the last one that started before its compute did; a later one is a prefetch
+        # for the next step and belongs to the copy track only.
         copies = []
         for unit, c_start, c_end, _ in self.copies:
-            span = (at(c_start), at(c_end))
-            copies.append((unit, *span))
-            copy_of[unit] = span
+            copies.append((unit, at(c_start), at(c_end)))
+        starts = {name: at(e.compute_start) for name, e in self.units.items() if e.compute_start is not None}
+        copy_of: dict[str, tuple[float, float]] = {}
+        for unit, start, end in copies:
+            if unit in starts and start <= starts[unit]:
+                copy_of[unit] = (start, end)
         units = []
         for name in self.order:
             e = self.units[name]
