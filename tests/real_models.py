@@ -5,17 +5,26 @@ from __future__ import annotations
 import torch
 
 
-def tiny_llama(seed: int = 0, layers: int = 3, tie: bool = True):
+def tiny_llama(
+    seed: int = 0,
+    layers: int = 3,
+    tie: bool = True,
+    hidden: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 64,
+):
+    """A LlamaForCausalLM with random weights; the defaults make it tiny."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden if hidden > 32 else 64,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=64,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=2048,
         tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)

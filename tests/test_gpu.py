@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import flextensor
-from real_models import llama_inputs
+from real_models import tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,20 +19,8 @@ pytestmark = [
 
 
 def medium_llama(layers: int = 8):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=4096,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = tiny_llama(layers=layers, hidden=1024, heads=16, kv_heads=4, vocab=4096)
+    return model.to(torch.bfloat16)
 
 
 class Heavy(nn.Module):
@@ -66,7 +54,6 @@ def _native_reference(build, inputs, steps: int = 1):
 
 
 def test_llama_bitwise_on_cuda_and_pinned_host_store() -> None:
-    inputs = llama_inputs(batch=2, seq=128)
     inputs = torch.randint(0, 4096, (2, 128), generator=torch.Generator().manual_seed(1))
     ref, _ = _native_reference(medium_llama, inputs)
     config = flextensor.OffloadConfig(include_patterns=["model.layers.*"], gpu_memory_budget="200MiB")
