@@ -579,3 +579,27 @@ def test_grad_enabled_forward_with_storage_less_saved_tensors_runs() -> None:
     model = flextensor.offload(model, streaming_config(model))
     for _ in range(4):
         assert torch.equal(model(x).detach(), ref)  # grad enabled: the saved-tensor guard is active
+
+
+class HasUnusedModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.unused = nn.Linear(256, 256)  # selected by "*", never run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_never_run_unit_larger_than_the_planned_arena_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = HasUnusedModule()
+    budget = 2 * 4096  # two of the small blocks' arena ranges: the unused unit does not fit
+    model = flextensor.offload(model, flextensor.OffloadConfig(gpu_memory_budget=budget, **CPU))
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        run_forwards(model, torch.randn(2, 8), 3)
+    assert any("never ran" in r.getMessage() and "unused" in r.getMessage() for r in caplog.records)

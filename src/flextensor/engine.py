@@ -172,7 +172,17 @@ class OffloadEngine:
 
         idle = [u for u in self.units if u not in resident and u not in streamed]
         sizes = {u.name: u.nbytes for u in self.units.values()}
-        arena_bytes = max(arena_bytes, minimal_arena_bytes([sizes[u] for u in idle]))
+        idle_need = minimal_arena_bytes([sizes[u] for u in idle])
+        if idle_need > arena_bytes and streamed:
+            logger.warning(
+                "units that never ran (%s) need a %d-byte arena, more than the %d bytes planned: the "
+                "arena grows to hold them, beyond what the plan (and any budget) accounted for; exclude "
+                "modules the model does not run",
+                ", ".join(idle[:3]),
+                idle_need,
+                arena_bytes,
+            )
+        arena_bytes = max(arena_bytes, idle_need)
         arena_bytes = max(arena_bytes, minimal_arena_bytes([sizes[u] for u in streamed]))
         layout = ring_layout(streamed, [sizes[u] for u in streamed], arena_bytes)
         self._arena = torch.empty(arena_bytes, dtype=torch.uint8, device=rt.device) if arena_bytes else None
