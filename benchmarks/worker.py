@@ -241,11 +241,14 @@ def _run(args: argparse.Namespace) -> None:
 
     cap = w.memory_cap_bytes if cuda and ms.name != "native_ref" else None
     if cuda:
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        rec.save(gpu=torch.cuda.get_device_name(torch.device(device)), gpu_total_bytes=total)
+        gpu = torch.device(device)
+        if gpu.index is None:  # set_per_process_memory_fraction needs an index
+            gpu = torch.device("cuda", torch.cuda.current_device())
+        total = torch.cuda.get_device_properties(gpu).total_memory
+        rec.save(gpu=torch.cuda.get_device_name(gpu), gpu_total_bytes=total)
         if cap is not None:
             # Stand in for a smaller card: the caching allocator refuses to go past the cap.
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), torch.device(device))
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), gpu)
     rec.save(memory_cap_bytes=cap)
 
     model = build_empty(w)

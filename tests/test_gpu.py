@@ -117,3 +117,16 @@ def test_copies_overlap_compute_in_steady_state() -> None:
         rows.append((unit, round(start * 1e3, 3), round(previous.compute_end_s * 1e3, 3)))
     assert checked >= 3 and overlapped == checked, rows
     flextensor.release(model)
+
+
+def test_capacity_follows_the_per_process_memory_fraction() -> None:
+    """A process capped below the card (a smaller card's stand-in) plans for the cap, not the card."""
+    from flextensor.runtime import DeviceRuntime
+
+    runtime = DeviceRuntime(torch.device("cuda"))
+    card = torch.cuda.get_device_properties(runtime.device).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.25, runtime.device)
+    try:
+        assert runtime.total_memory() == int(card * 0.25)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, runtime.device)

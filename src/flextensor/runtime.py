@@ -124,7 +124,10 @@ class DeviceRuntime:
     def total_memory(self) -> int | None:
         if not self.is_cuda:
             return None
-        return torch.cuda.get_device_properties(self.device).total_memory
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        # A process capped with torch.cuda.set_per_process_memory_fraction cannot allocate past the cap:
+        # plan for that, as for a smaller card.
+        return int(total * torch.cuda.get_per_process_memory_fraction(self.device))
 
     def name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.is_cuda else "cpu"
