@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import flextensor
+from flextensor.engine import OffloadEngine, UnitState, _input_shapes, provisional_arena_bytes
 from flextensor.errors import (
     AlreadyOffloadedError,
     BackwardNotSupportedError,
@@ -511,6 +513,120 @@ def test_switching_back_to_known_input_shapes_reuses_their_plan() -> None:
         for tokens in (short, long, short, long):
             assert torch.equal(model(tokens), refs[tokens.shape[1]])
     assert engine._plans == plans  # no new profiling: both plans were reused
+
+
+# -- switching between cached plans keeps shared resident units ---------------------------------------------
+
+
+def _offload_with_placements(
+    placements: dict[int, tuple[str, ...]], **fields: object
+) -> tuple[nn.Module, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """A spec model that learned a plan per sequence length in ``placements``, each then replaced by one
+    keeping those units resident and streaming the rest; with the inputs and the plain model's outputs.
+
+    On a CPU the tightest budget streams everything, so residency is placed by hand through install_plan,
+    the path a learned plan takes.
+    """
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model, **fields))
+    tokens = {seq: spec_tokens(seq=seq) for seq in placements}
+    refs = {seq: run_forwards(make_spec_model(), tokens[seq], 1)[0] for seq in placements}
+    for seq in placements:
+        run_forwards(model, tokens[seq], 4)
+    engine = model._flextensor_engine
+    assert len(engine._plans) == len(placements)
+    for seq, resident in placements.items():
+        state = engine._plans[_input_shapes((tokens[seq],), {})]
+        streamed = tuple(u for u in state.plan.streamed if u not in resident)
+        arena = state.plan.arena_bytes if streamed else 0
+        plan = dataclasses.replace(state.plan, resident=resident, streamed=streamed, arena_bytes=arena)
+        engine.install_plan(state.measurements, plan)
+    return model, tokens, refs
+
+
+def _count_uploads(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the units given resident storage (one upload each) from now on."""
+    uploaded: list[str] = []
+    upload = engine._upload_resident
+
+    def counted(unit: UnitState) -> None:
+        uploaded.append(unit.name)
+        upload(unit)
+
+    monkeypatch.setattr(engine, "_upload_resident", counted)
+    return uploaded
+
+
+def _assert_placement(engine: OffloadEngine, resident: tuple[str, ...]) -> None:
+    for unit in engine.units.values():
+        assert unit.resident == (unit.name in resident), unit.name
+        assert unit.storage is not None
+        if unit.resident:
+            assert unit.valid and unit.conflicts == unit.prefetch_next == ()
+        else:
+            assert engine.arena is not None
+            assert unit.storage.untyped_storage().data_ptr() == engine.arena.untyped_storage().data_ptr()
+
+
+def test_alternating_plans_keep_shared_resident_units_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    # embed, layers.1 and lm_head are resident in both; layers.0 and layers.3 trade places.
+    placements = {
+        8: ("embed", "layers.0", "layers.1", "lm_head"),
+        32: ("embed", "layers.1", "layers.3", "lm_head"),
+    }
+    shared = ("embed", "layers.1", "lm_head")
+    model, tokens, refs = _offload_with_placements(placements)
+    engine = model._flextensor_engine
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])
+    pointers = {name: engine.units[name].storage.data_ptr() for name in shared}
+    uploaded = _count_uploads(engine, monkeypatch)
+    with torch.no_grad():
+        for seq, before in ((32, 8), (8, 32), (32, 8), (8, 32), (32, 8)):
+            uploaded.clear()
+            assert torch.equal(model(tokens[seq]), refs[seq]), f"seq {seq} differs from the resident model"
+            assert torch.equal(model(tokens[seq]), refs[seq])  # steady state on the switched-to plan
+            assert sorted(uploaded) == sorted(set(placements[seq]) - set(placements[before]))
+            assert {name: engine.units[name].storage.data_ptr() for name in shared} == pointers
+            _assert_placement(engine, placements[seq])
+
+
+def test_switching_between_all_resident_plans_uploads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    everything = ("embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head", "lm_head")
+    model, tokens, refs = _offload_with_placements({8: everything, 32: everything})
+    engine = model._flextensor_engine
+    pointers = {name: unit.storage.data_ptr() for name, unit in engine.units.items()}
+    uploaded = _count_uploads(engine, monkeypatch)
+    with torch.no_grad():
+        for seq in (8, 32, 8, 32):
+            assert torch.equal(model(tokens[seq]), refs[seq])
+    assert uploaded == []
+    assert engine.arena is None
+    assert {name: unit.storage.data_ptr() for name, unit in engine.units.items()} == pointers
+    assert engine.device_bytes_held() == sum(u.nbytes for u in engine.units.values())
+
+
+def test_new_shape_streams_every_resident_unit_and_switching_back_uploads_them_again() -> None:
+    placements = {8: ("embed", "layers.0", "layers.1", "lm_head")}
+    model, tokens, refs = _offload_with_placements(placements, profiling_forwards=2)
+    engine = model._flextensor_engine
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])
+    _assert_placement(engine, placements[8])
+    longer = spec_tokens(seq=16)
+    ref = run_forwards(make_spec_model(), longer, 1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(longer), ref)  # profiling: every unit streams, nothing else is held
+    assert flextensor.phase(model) == "profiling"
+    _assert_placement(engine, ())
+    sizes = [engine.units[u].nbytes for u in engine.order]
+    assert engine.device_bytes_held() == provisional_arena_bytes(sizes)
+    assert_all_equal(run_forwards(model, longer, 2), ref)
+    assert flextensor.phase(model) == "inference"
+    with torch.no_grad():
+        for tokens_now, ref_now in ((tokens[8], refs[8]), (longer, ref), (tokens[8], refs[8])):
+            assert torch.equal(model(tokens_now), ref_now)
+    _assert_placement(engine, placements[8])
 
 
 class Flaky(nn.Module):

@@ -157,18 +157,14 @@ class OffloadEngine:
     def apply_layout(self, streamed: list[str], resident: Iterable[str], arena_bytes: int) -> None:
         """Give every unit its device bytes: own storage if resident, a range of the arena if streamed.
 
-        Plan time only: synchronises the device and re-points parameters (a loop over parameters).
+        Plan time only: synchronises the device and re-points parameters (a loop over parameters). A unit
+        resident before and after keeps its storage and bytes, so switching between cached plans (prefill
+        and decode) uploads only the units that enter residency.
         """
         resident = set(resident)
         rt = self.runtime
         rt.synchronize()
-        for unit in self.units.values():
-            for _, param, entry in unit.parameters:
-                # Drop the old arena's views first so its memory is reusable for the new one.
-                param.data = torch.empty(0, dtype=entry.dtype, device=rt.device)
-            unit.storage = None
-            unit.valid = False
-        self._arena = None
+        kept = self._free_device_bytes(resident)
 
         idle = [u for u in self.units if u not in resident and u not in streamed]
         sizes = {u.name: u.nbytes for u in self.units.values()}
@@ -194,17 +190,10 @@ class OffloadEngine:
             # Units never seen running: loaded on demand at the arena's start if they ever run.
             ranges[name] = (0, align_up(sizes[name], UNIT_ALIGNMENT))
 
-        for name in resident:
-            unit = self.units[name]
-            unit.resident = True
-            unit.storage = torch.empty(unit.nbytes, dtype=torch.uint8, device=rt.device)
-            unit.storage.copy_(unit.pack.buffer)
-            unit.valid = True
-            unit.conflicts = unit.prefetch_next = ()
-            unit.point_parameters()
+        for name in resident - kept:
+            self._upload_resident(self.units[name])
         for name, (offset, length) in ranges.items():
             unit = self.units[name]
-            unit.resident = False
             assert self._arena is not None
             unit.storage = self._arena[offset : offset + unit.nbytes]
             unit.conflicts = tuple(
@@ -218,6 +207,35 @@ class OffloadEngine:
                 self.units[layout.order[k]] for k in layout.prefetch_after[position]
             )
         self._warm_start(layout.order)
+
+    def _free_device_bytes(self, staying: set[str]) -> set[str]:
+        """Drop the arena and every unit's storage except that of units resident now and in ``staying``;
+        return the names of those kept, whose storage, bytes and parameters are left as they are.
+
+        Runs before the new layout allocates anything, so that its storage and arena can reuse what is
+        freed here: the peak of a switch is the larger of the two layouts, not their sum.
+        """
+        kept = {n for n, u in self.units.items() if n in staying and u.resident and u.storage is not None}
+        for unit in self.units.values():
+            unit.conflicts = unit.prefetch_next = ()  # a streamed unit's are recomputed for the new layout
+            if unit.name in kept:
+                continue
+            for _, param, entry in unit.parameters:
+                # Drop the views first: a parameter still viewing the arena would keep it allocated.
+                param.data = torch.empty(0, dtype=entry.dtype, device=self.runtime.device)
+            unit.storage = None
+            unit.valid = False
+            unit.resident = False
+        self._arena = None
+        return kept
+
+    def _upload_resident(self, unit: UnitState) -> None:
+        """Give a unit entering residency storage of its own, holding its weights for good."""
+        unit.storage = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.runtime.device)
+        unit.storage.copy_(unit.pack.buffer)
+        unit.valid = True
+        unit.point_parameters()
+        unit.resident = True  # last: a failed upload leaves the unit to be freed and retried next time
 
     def _warm_start(self, order: tuple[str, ...]) -> None:
         """Copy in the first units of the order that do not overlap each other, ahead of the next forward."""
