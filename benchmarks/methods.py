@@ -14,8 +14,9 @@ A method is named by a spec, ``name[:arg][/key=value...]``:
 ``flextensor050_budget:22GiB``  ... with ``max_gpu_mem_fraction`` = 22 GiB / the card's memory
 ``diffusers_group``             diffusers ``apply_group_offloading``, block_level, 1 block per group,
                                 ``use_stream`` on CUDA
-``diffusers_group:model``       ... with ``block_modules=["model"]`` (``+``-separated list): reaches
-                                ``model.layers`` of a transformers LLM, which plain block_level misses
+``diffusers_group:model``       ... applied to the submodule ``model`` (``+``-separated list), the rest
+                                of the model on the device: reaches ``model.layers`` of a transformers
+                                LLM, which plain block_level misses (its ``lm_head`` stays resident)
 ``accelerate``                  accelerate ``cpu_offload`` (execution device = the run's device)
 ==============================  ====================================================================
 
@@ -259,11 +260,19 @@ def prepare(
         from diffusers.hooks import apply_group_offloading
 
         kwargs = {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": cuda}
+        targets = [model] if not ms.arg else [model.get_submodule(name) for name in ms.arg.split("+")]
         if ms.arg:
-            kwargs["block_modules"] = ms.arg.split("+")
-        apply_group_offloading(model, onload_device=torch.device(device), offload_device="cpu", **kwargs)
-        # Every group, the top-level leftovers too, goes back to the CPU after its forward.
-        info = {"config": {**kwargs, "offload_device": "cpu"}}
+            # Not block_modules=[...]: with use_stream, diffusers 0.42.1 registers its layer-execution
+            # tracker twice (ValueError "layer_execution_tracker already exists"). Offloading the named
+            # submodules themselves reaches the same blocks; what lies outside them stays on the device.
+            covered = {id(t) for target in targets for t in (*target.parameters(), *target.buffers())}
+            for tensor in (*model.parameters(), *model.buffers()):
+                if id(tensor) not in covered:
+                    tensor.data = tensor.data.to(device)
+        for target in targets:
+            apply_group_offloading(target, onload_device=torch.device(device), offload_device="cpu", **kwargs)
+        # Every group, the leftovers of each target too, goes back to the CPU after its forward.
+        info = {"config": {**kwargs, "offload_device": "cpu", "targets": ms.arg or "<model>"}}
         # One warm-up forward: with streams, the first forward records the order of the groups.
         return Prepared(model, _no_phase, 1, lambda: (total, "estimate: all parameters"), info)
 
