@@ -261,7 +261,11 @@ def prepare(
 
         kwargs = {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": cuda}
         targets = [model] if not ms.arg else [model.get_submodule(name) for name in ms.arg.split("+")]
+        offloaded = {id(p): p for target in targets for p in target.parameters()}
+        offloaded_bytes = sum(p.numel() * p.element_size() for p in offloaded.values())
         if ms.arg:
+            # A weight tied between a target and the rest (tied embeddings) counts as the target's, so it
+            # would stay on the CPU for the outside reader: fine for the untied workloads here.
             # Not block_modules=[...]: with use_stream, diffusers 0.42.1 registers its layer-execution
             # tracker twice (ValueError "layer_execution_tracker already exists"). Offloading the named
             # submodules themselves reaches the same blocks; what lies outside them stays on the device.
@@ -274,7 +278,8 @@ def prepare(
         # Every group, the leftovers of each target too, goes back to the CPU after its forward.
         info = {"config": {**kwargs, "offload_device": "cpu", "targets": ms.arg or "<model>"}}
         # One warm-up forward: with streams, the first forward records the order of the groups.
-        return Prepared(model, _no_phase, 1, lambda: (total, "estimate: all parameters"), info)
+        estimate = "estimate: all parameters of " + (ms.arg or "the model")
+        return Prepared(model, _no_phase, 1, lambda: (offloaded_bytes, estimate), info)
 
     if ms.family == "accelerate":
         from accelerate import cpu_offload

@@ -277,8 +277,9 @@ class OffloadConfig(BaseModel):
     max_gpu_mem_fraction: float | None = Field(
         default=None,
         description=(
-            "The budget as a fraction (0 < f <= 1) of the device's total memory, e.g. 0.8. "
-            "Set this or gpu_memory_budget, not both."
+            "The budget as a fraction (0 < f <= 1) of the memory this process may use on the device, "
+            "e.g. 0.8: the card's total memory, times torch.cuda.set_per_process_memory_fraction's cap "
+            "when one is set. Set this or gpu_memory_budget, not both."
         ),
     )
     profile: Path | None = Field(
@@ -491,8 +492,8 @@ class OffloadConfig(BaseModel):
         """Return the device-memory budget in bytes, or None when neither budget field is set.
 
         Args:
-            total_device_bytes: the device's total memory; needed only when :attr:`max_gpu_mem_fraction`
-                is set (the budget is then that fraction of it, rounded down).
+            total_device_bytes: the memory this process may use on the device; needed only when
+                :attr:`max_gpu_mem_fraction` is set (the budget is then that fraction of it, rounded down).
 
         Raises:
             ConfigError: :attr:`max_gpu_mem_fraction` is set but ``total_device_bytes`` is None or not > 0.

@@ -126,8 +126,12 @@ class DeviceRuntime:
             return None
         total = torch.cuda.get_device_properties(self.device).total_memory
         # A process capped with torch.cuda.set_per_process_memory_fraction cannot allocate past the cap:
-        # plan for that, as for a smaller card.
-        return int(total * torch.cuda.get_per_process_memory_fraction(self.device))
+        # plan for that, as for a smaller card. torch < 2.6 and pluggable allocators cannot report it.
+        try:
+            fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+        except (AttributeError, RuntimeError):
+            fraction = 1.0
+        return int(total * fraction)
 
     def name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.is_cuda else "cpu"
