@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import threading
+from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import flextensor
-from flextensor.engine import OffloadEngine, UnitState, _input_shapes, provisional_arena_bytes
+from flextensor.engine import (
+    OffloadEngine,
+    UnitState,
+    _input_shapes,
+    provisional_arena_bytes,
+    residents_within,
+)
 from flextensor.errors import (
     AlreadyOffloadedError,
     BackwardNotSupportedError,
@@ -19,6 +28,7 @@ from flextensor.errors import (
     NotOffloadedError,
     SelectionError,
 )
+from flextensor.layout import UNIT_ALIGNMENT
 from real_models import llama_inputs, tiny_llama, tiny_wan, wan_inputs
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
@@ -519,16 +529,18 @@ def test_switching_back_to_known_input_shapes_reuses_their_plan() -> None:
 
 
 def _offload_with_placements(
-    placements: dict[int, tuple[str, ...]], **fields: object
+    placements: dict[int, tuple[str, ...]], tight: bool = True, **fields: object
 ) -> tuple[nn.Module, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """A spec model that learned a plan per sequence length in ``placements``, each then replaced by one
     keeping those units resident and streaming the rest; with the inputs and the plain model's outputs.
 
-    On a CPU the tightest budget streams everything, so residency is placed by hand through install_plan,
-    the path a learned plan takes.
+    On a CPU the tightest budget streams everything and no budget keeps everything resident, so residency
+    is placed by hand through install_plan, the path a learned plan takes. ``tight``: under the tightest
+    budget (else none).
     """
     model = make_spec_model()
-    model = flextensor.offload(model, streaming_config(model, **fields))
+    config = streaming_config(model, **fields) if tight else flextensor.OffloadConfig(**CPU, **fields)
+    model = flextensor.offload(model, config)
     tokens = {seq: spec_tokens(seq=seq) for seq in placements}
     refs = {seq: run_forwards(make_spec_model(), tokens[seq], 1)[0] for seq in placements}
     for seq in placements:
@@ -537,8 +549,9 @@ def _offload_with_placements(
     assert len(engine._plans) == len(placements)
     for seq, resident in placements.items():
         state = engine._plans[_input_shapes((tokens[seq],), {})]
-        streamed = tuple(u for u in state.plan.streamed if u not in resident)
-        arena = state.plan.arena_bytes if streamed else 0
+        streamed = tuple(u for u in state.measurements.unit_names() if u not in resident)
+        sizes = [engine.units[u].nbytes for u in streamed]
+        arena = max(state.plan.arena_bytes, provisional_arena_bytes(sizes)) if streamed else 0
         plan = dataclasses.replace(state.plan, resident=resident, streamed=streamed, arena_bytes=arena)
         engine.install_plan(state.measurements, plan)
     return model, tokens, refs
@@ -555,6 +568,24 @@ def _count_uploads(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch) -> li
 
     monkeypatch.setattr(engine, "_upload_resident", counted)
     return uploaded
+
+
+def _assert_packs_hold_the_weights(engine: OffloadEngine, names: Iterable[str]) -> None:
+    """Each of these units has a host pack again, holding its parameters' original values."""
+    original = make_spec_model().state_dict()
+    for name in names:
+        unit = engine.units[name]
+        assert unit.pack is not None and unit.pack.held_bytes > 0, name
+        for fqn, _, entry in unit.parameters:
+            assert torch.equal(unit.pack.view(entry), original[fqn]), fqn
+
+
+def _assert_packs_dropped(engine: OffloadEngine, resident: Iterable[str]) -> None:
+    """Resident units hold no host pack; every other unit holds its own."""
+    resident = set(resident)
+    for name, unit in engine.units.items():
+        assert (unit.pack is None) == (name in resident), name
+    assert engine.host_bytes_held() == sum(u.pack.held_bytes for u in engine.units.values() if u.pack)
 
 
 def _assert_placement(engine: OffloadEngine, resident: tuple[str, ...]) -> None:
@@ -606,19 +637,23 @@ def test_switching_between_all_resident_plans_uploads_nothing(monkeypatch: pytes
     assert engine.device_bytes_held() == sum(u.nbytes for u in engine.units.values())
 
 
-def test_new_shape_streams_every_resident_unit_and_switching_back_uploads_them_again() -> None:
+def test_new_shape_under_a_tight_budget_streams_resident_units_and_switching_back_uploads_them() -> None:
     placements = {8: ("embed", "layers.0", "layers.1", "lm_head")}
     model, tokens, refs = _offload_with_placements(placements, profiling_forwards=2)
     engine = model._flextensor_engine
     with torch.no_grad():
         assert torch.equal(model(tokens[8]), refs[8])
     _assert_placement(engine, placements[8])
+    _assert_packs_dropped(engine, placements[8])
     longer = spec_tokens(seq=16)
     ref = run_forwards(make_spec_model(), longer, 1)[0]
     with torch.no_grad():
-        assert torch.equal(model(longer), ref)  # profiling: every unit streams, nothing else is held
+        # Profiling: the resident units and the arena of the rest would overrun the budget, so every
+        # unit streams and nothing else is held; the residents' packs come back exactly.
+        assert torch.equal(model(longer), ref)
     assert flextensor.phase(model) == "profiling"
     _assert_placement(engine, ())
+    _assert_packs_hold_the_weights(engine, engine.units)
     sizes = [engine.units[u].nbytes for u in engine.order]
     assert engine.device_bytes_held() == provisional_arena_bytes(sizes)
     assert_all_equal(run_forwards(model, longer, 2), ref)
@@ -627,6 +662,149 @@ def test_new_shape_streams_every_resident_unit_and_switching_back_uploads_them_a
         for tokens_now, ref_now in ((tokens[8], refs[8]), (longer, ref), (tokens[8], refs[8])):
             assert torch.equal(model(tokens_now), ref_now)
     _assert_placement(engine, placements[8])
+    _assert_packs_dropped(engine, placements[8])
+
+
+# -- one copy of a resident unit: its host pack is dropped in steady state -------------------------------
+
+
+def _count_rebuilds(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the units whose host pack is built again from their storage, from now on."""
+    rebuilt: list[str] = []
+    rebuild = engine._rebuild_pack
+
+    def counted(unit: UnitState) -> None:
+        rebuilt.append(unit.name)
+        rebuild(unit)
+
+    monkeypatch.setattr(engine, "_rebuild_pack", counted)
+    return rebuilt
+
+
+def test_steady_state_drops_resident_packs_and_switches_rebuild_them_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # layers.0 and layers.3 trade places; the plan for 32 is in force first.
+    placements = {
+        8: ("embed", "layers.0", "layers.1", "lm_head"),
+        32: ("embed", "layers.1", "layers.3", "lm_head"),
+    }
+    model, tokens, refs = _offload_with_placements(placements)
+    engine = model._flextensor_engine
+    _assert_packs_dropped(engine, placements[32])
+    streamed_bytes = sum(u.pack.held_bytes for n, u in engine.units.items() if n not in placements[32])
+    assert engine.host_bytes_held() == streamed_bytes
+    layer0 = engine.units["layers.0"].pack.buffer.clone()  # as packed by offload(), padding included
+    rebuilt = _count_rebuilds(engine, monkeypatch)
+    with torch.no_grad():
+        for seq, before in ((8, 32), (32, 8), (8, 32), (32, 8)):
+            rebuilt.clear()
+            assert torch.equal(model(tokens[seq]), refs[seq]), f"seq {seq} differs from the resident model"
+            assert torch.equal(model(tokens[seq]), refs[seq])
+            assert sorted(rebuilt) == sorted(set(placements[before]) - set(placements[seq]))
+            _assert_placement(engine, placements[seq])
+            _assert_packs_dropped(engine, placements[seq])
+            _assert_packs_hold_the_weights(engine, set(placements[before]) - set(placements[seq]))
+    assert torch.equal(engine.units["layers.0"].pack.buffer, layer0)  # rebuilt byte for byte
+
+
+def test_new_shape_profiles_with_resident_units_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    placements = {8: ("embed", "layers.0", "layers.1", "lm_head")}
+    model, tokens, refs = _offload_with_placements(placements, tight=False, profiling_forwards=2)
+    engine = model._flextensor_engine
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])
+    pointers = {name: engine.units[name].storage.data_ptr() for name in placements[8]}
+    uploaded = _count_uploads(engine, monkeypatch)
+    rebuilt = _count_rebuilds(engine, monkeypatch)
+    longer = spec_tokens(seq=16)
+    ref = run_forwards(make_spec_model(), longer, 1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(longer), ref)  # profiling: only the units streamed before stream
+    assert flextensor.phase(model) == "profiling"
+    _assert_placement(engine, placements[8])
+    _assert_packs_dropped(engine, placements[8])
+    assert {name: engine.units[name].storage.data_ptr() for name in placements[8]} == pointers
+    assert uploaded == rebuilt == []
+    streamed = [engine.units[u].nbytes for u in engine.order if u not in placements[8]]
+    resident = sum(engine.units[u].nbytes for u in placements[8])
+    assert engine.device_bytes_held() == resident + provisional_arena_bytes(streamed)
+
+    assert_all_equal(run_forwards(model, longer, 2), ref)
+    assert flextensor.phase(model) == "inference"
+    state = engine._plans[_input_shapes((longer,), {})]
+    assert engine.plan is state.plan and engine.measurements is state.measurements
+    # Resident units were profiled too: every unit is measured, in execution order.
+    assert list(state.measurements.unit_names()) == engine.order == flextensor.offload_units(model)
+    assert all(u.compute_s > 0 for u in state.measurements.units)
+    _assert_placement(engine, state.plan.resident)
+    _assert_packs_dropped(engine, state.plan.resident)
+    assert sorted(rebuilt) == sorted(set(placements[8]) - set(state.plan.resident))
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])  # back to the hand-made plan
+    _assert_packs_hold_the_weights(engine, set(engine.units) - set(placements[8]))
+    _assert_packs_dropped(engine, placements[8])
+
+
+def test_profiling_keeps_the_residents_that_leave_room_within_the_limit() -> None:
+    page = UNIT_ALIGNMENT
+    resident = {"a": 4 * page, "b": page, "c": 10 * page}
+    streamed = [2 * page, 2 * page]  # a provisional arena of 4 pages
+    assert residents_within(resident, streamed, 10**9) == {"a", "b", "c"}
+    # Streaming a or c would grow the arena by as much as it frees; streaming b saves its page.
+    assert residents_within(resident, streamed, 18 * page) == {"a", "c"}
+    assert residents_within(resident, streamed, 0) == {"a", "c"}  # nothing holds less
+    # Streaming the largest resident unit saves the most when it is no larger than the streamed ones.
+    assert residents_within({"a": page, "b": 3 * page}, [4 * page, 4 * page], 10 * page) == {"a"}
+    # No single move saves anything, but streaming both holds less than keeping them.
+    assert residents_within({"x": 10 * page, "y": 10 * page}, [page], 0) == set()
+    assert residents_within({}, streamed, 0) == set()
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_release_after_packs_were_dropped_returns_the_original_weights(device: str | None) -> None:
+    before = copy.deepcopy(make_spec_model().state_dict())
+    placements = {8: ("embed", "layers.0", "lm_head")}
+    model, tokens, refs = _offload_with_placements(placements, tight=False)
+    engine = model._flextensor_engine
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])
+    _assert_packs_dropped(engine, placements[8])
+    during = model.state_dict()  # resident units' parameters from their storage, the others' packs
+    assert list(during) == list(before) and all(torch.equal(during[k], v) for k, v in before.items())
+    flextensor.release(model, device)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) and after[k].device.type == "cpu" for k, v in before.items())
+    # Each parameter has storage of its own again, not a view of a unit's storage.
+    pointers = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(pointers)) == len(pointers)
+    assert engine.host_bytes_held() == 0 and all(u.storage is None for u in engine.units.values())
+    assert torch.equal(run_forwards(model, tokens[8], 1)[0], refs[8])
+
+
+def test_offload_from_a_profile_rolls_back_after_the_plan_dropped_packs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "spec.json"
+    placements = {8: ("embed", "layers.0", "lm_head")}
+    model, _, _ = _offload_with_placements(placements, tight=False)
+    flextensor.save_profile(model, path)
+
+    other = make_spec_model()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    params_before = dict(other.named_parameters())
+
+    def failing_attach(self: OffloadEngine) -> None:
+        _assert_packs_dropped(self, placements[8])  # the saved plan is in place
+        raise RuntimeError("simulated failure after the plan")
+
+    monkeypatch.setattr(OffloadEngine, "attach", failing_attach)
+    with pytest.raises(RuntimeError, match="simulated"):
+        flextensor.offload(other, flextensor.OffloadConfig(profile=path, **CPU))
+    assert dict(other.named_parameters()) == params_before
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
+    assert not hasattr(other, "_flextensor_engine")
 
 
 class Flaky(nn.Module):

@@ -7,10 +7,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch import nn
 
 import flextensor
+from flextensor.engine import provisional_arena_bytes
 from flextensor.host_store import pack_layout
 
 
@@ -37,6 +39,29 @@ def test_packed_views_share_one_buffer_per_unit() -> None:
     for unit in model._flextensor_engine.units.values():
         ptr = unit.pack.buffer.untyped_storage().data_ptr()
         assert all(unit.pack.view(e).untyped_storage().data_ptr() == ptr for e in unit.pack.entries)
+
+
+def test_dropping_resident_packs_gives_their_host_memory_back() -> None:
+    psutil = pytest.importorskip("psutil")
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(16)))  # 16 x 4 MiB fp32
+    x = torch.randn(2, 1024)
+    ref = model(x).detach()
+    flextensor.offload(model, flextensor.OffloadConfig(device="cpu"))
+    engine = model._flextensor_engine
+    names = list(engine.units)
+    resident, streamed = names[:12], names[12:]
+    arena = provisional_arena_bytes([engine.units[u].nbytes for u in streamed])
+    engine.apply_layout(streamed, resident, arena)  # as a plan keeping 12 units resident does
+    held = engine.host_bytes_held()
+    before = psutil.Process().memory_info().rss
+    engine._drop_resident_packs()
+    freed = before - psutil.Process().memory_info().rss
+    resident_bytes = sum(engine.units[u].nbytes for u in resident)
+    assert held - engine.host_bytes_held() >= resident_bytes
+    assert freed >= 0.9 * resident_bytes, (freed, resident_bytes)  # unmapped, not just forgotten
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
 
 
 RSS_SCRIPT = textwrap.dedent(

@@ -74,6 +74,7 @@ def test_report_totals(streamed_model: torch.nn.Module) -> None:
     assert rep.budget_bytes == ALL_STREAMED
     assert rep.arena_bytes == engine.arena.numel()
     assert rep.device_bytes_held == engine.device_bytes_held()
+    assert rep.host_bytes_held == sum(u.pack.held_bytes for u in engine.units.values())  # all streamed
     assert rep.peak_allocated_bytes is None  # not counted on CPU
     assert rep.exposed_wait_ms == pytest.approx(sum(u.wait_ms for u in rep.units))
 
@@ -84,6 +85,7 @@ def test_report_to_dict_and_rendering(streamed_model: torch.nn.Module) -> None:
     json.dumps(data)  # plain data
     assert {"model", "device", "units", "step_ms", "predicted_step_ms", "streamed_bytes"} <= set(data)
     assert {"achieved_gbps", "link_gbps", "peak_allocated_bytes", "budget_bytes"} <= set(data)
+    assert {"device_bytes_held", "host_bytes_held"} <= set(data)
     row = data["units"][0]
     assert {"name", "nbytes", "placement", "slot", "compute_ms", "copy_ms", "wait_ms"} <= set(row)
     assert row["slot"].startswith("arena 0.00\u2013") and row["slot"].endswith(" KiB")
@@ -91,7 +93,7 @@ def test_report_to_dict_and_rendering(streamed_model: torch.nn.Module) -> None:
     text = str(rep)
     for name in (u.name for u in rep.units):
         assert name in text
-    assert "measured" in text and "predicted" in text and "streamed" in text
+    assert "measured" in text and "predicted" in text and "streamed" in text and "host RAM" in text
     assert all(line == line.rstrip() for line in text.splitlines())
     out = io.StringIO()
     rep.print(Console(file=out, width=140))
@@ -102,10 +104,14 @@ def test_report_resident_units_say_so() -> None:
     model = _offloaded(None)  # no budget: the planner may keep any unit resident
     _to_steady(model)
     engine = model._flextensor_engine
-    for row in flextensor.report(model).units:
+    rep = flextensor.report(model)
+    for row in rep.units:
         assert row.resident == engine.units[row.name].resident
         assert (row.slot_start is None) == row.resident
         assert ("resident" in row.placement) == row.resident
+    # Resident units hold their weights on the device only: host bytes are the streamed units' packs.
+    assert rep.host_bytes_held == sum(u.pack.held_bytes for u in engine.units.values() if not u.resident)
+    assert all(u.pack is None for u in engine.units.values() if u.resident)
 
 
 def test_report_before_steady_state_raises() -> None:

@@ -7,6 +7,7 @@ would). The killed-process tests run this file as a script in child processes (s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from torch import nn
 
 import flextensor
 from flextensor import shared_store
+from flextensor.engine import provisional_arena_bytes
 from flextensor.errors import FlexTensorError, ProfileError
 
 WIDTH, DEPTH = 32, 4
@@ -76,6 +78,31 @@ def test_one_process_packs_a_private_segment_that_release_removes(shm: Path) -> 
     assert (shm / (segment.name + ".lock")).stat().st_mode & 0o777 == 0o600
     assert all(u.pack.shared for u in model._flextensor_engine.units.values())
     assert torch.equal(run_to_steady_state(model, x), expected)
+    flextensor.release(model, "cpu")
+    assert segments(shm) == []
+    assert torch.equal(model(x), expected)
+
+
+def test_resident_units_keep_their_shared_packs(shm: Path) -> None:
+    x = torch.randn(3, WIDTH)
+    expected = make_model()(x)
+    model = flextensor.offload(make_model(), shared_config())
+    engine = model._flextensor_engine
+    held = engine.host_bytes_held()
+    assert torch.equal(run_to_steady_state(model, x), expected)
+    # Place residency by hand, the path a learned plan takes: the CPU planner may stream everything.
+    plan = dataclasses.replace(
+        engine.plan,
+        resident=("0", "2"),
+        streamed=("1", "3"),
+        arena_bytes=provisional_arena_bytes([engine.units[u].nbytes for u in ("1", "3")]),
+    )
+    engine.install_plan(engine.measurements, plan)
+    assert engine.units["0"].resident and not engine.units["1"].resident
+    # Other processes read the segment: no pack is dropped, and the host bytes stay as they were.
+    assert all(u.pack is not None and u.pack.shared for u in engine.units.values())
+    assert engine.host_bytes_held() == held
+    assert torch.equal(model(x), expected)
     flextensor.release(model, "cpu")
     assert segments(shm) == []
     assert torch.equal(model(x), expected)

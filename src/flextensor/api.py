@@ -28,7 +28,8 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
 
     Returns the same object, patched in place. After this call the selected parameters live in (pinned)
     host RAM and everything else is on ``config.device`` for good. The first forwards discover the
-    execution order and profile it (see ``phase``); then weights are prefetched on a side stream.
+    execution order and profile it (see ``phase``); then weights are prefetched on a side stream, and
+    units the plan keeps on the device free their host copy (unless it is shared between processes).
     If anything fails here, the model is left exactly as it was.
     """
     if not isinstance(model, nn.Module):
@@ -54,6 +55,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         engine.apply_layout(order, (), provisional_arena_bytes(sizes))
         if engine.arena is not None and units:
             largest = max(units, key=lambda u: u.nbytes)
+            assert largest.pack is not None  # packs are dropped only once a plan is in place
             engine.link = probe_link(runtime, largest.pack.buffer, engine.arena)
             for unit in units:
                 unit.valid = False  # the probe wrote over the arena
@@ -184,14 +186,16 @@ class _Rollback:
         swapped = {id(new) for _, _, _, new in self.swapped}
         self.runtime.synchronize()  # copies issued so far may still read the packs
         # Every parameter as packed, from the record made at pack time: the engine may have moved some
-        # out of their units since (weights kept resident).
+        # out of their units since (weights kept resident). A plan from a saved profile may already have
+        # dropped resident units' packs: their weights are read from their device storage then.
         for unit, packed in zip(self.units, self.packed, strict=True):
             for param, entry in packed:
                 if id(param) in swapped:
                     continue
                 original = self.original_devices[id(param)]
-                param.data = unit.pack.view(entry).to(original, copy=True)
-        for pack in self.packs:
+                param.data = unit.kept(entry).to(original, copy=True)
+        # Freeing is idempotent; a pack the engine built again is only on its unit.
+        for pack in [*self.packs, *(u.pack for u in self.units if u.pack is not None)]:
             pack.free()
 
 
@@ -225,7 +229,11 @@ def offload_units(model: nn.Module) -> list[str]:
 
 
 def offloaded_parameters(model: nn.Module) -> list[str]:
-    """Fully qualified names of the parameters kept in host RAM and streamed (or streamable)."""
+    """Fully qualified names of the parameters of the offload units: streamed, or streamable.
+
+    The plan may keep some of their units resident; those hold their weights on the device only, and no
+    host copy (unless the host memory is shared between processes).
+    """
     engine = _engine(model)
     return [fqn for name in offload_units(model) for fqn, _, _ in engine.units[name].parameters]
 

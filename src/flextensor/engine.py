@@ -11,6 +11,16 @@ a unit run out of the learned order is simply loaded on demand and the output st
 Ordering uses events only: a copy waits (on the device) for the compute that last read its range; compute
 waits for the copy. No ``record_stream`` is needed because the arena is allocated once and never handed
 back to the caching allocator while streaming.
+
+[Note: one copy of a resident unit]
+A unit resident in steady state never streams, so once a plan is in place its private host pack is freed
+(unpinned and unmapped): its device storage holds the only copy of its weights, and host RAM holds only
+what streams. Packs in a segment shared with other processes (``share_host_memory``) stay: those read it.
+Before such a unit's storage is ever freed (a plan that streams it, profiling, ``release``) its pack is
+built again from that storage with one device-to-host copy, so every weight is always in a pack or in
+resident storage (``UnitState.kept``). Profiling a new input shape keeps the resident units resident, as
+far as memory allows (see ``_profiling_residents``): a decode loop that re-plans at each new length then
+rebuilds no packs.
 """
 
 from __future__ import annotations
@@ -51,7 +61,8 @@ class Phase(enum.Enum):
         which weights are read outside their unit. Device memory: resident weights plus an arena of the
         two largest units.
     PROFILING: the same memory; each unit's copy and compute are timed with device events and the
-        activation peak is measured. Ends with the plan.
+        activation peak is measured. Ends with the plan. New input shapes in steady state are profiled
+        again, with the units resident until then kept resident as far as memory allows.
     INFERENCE: the plan is applied: some units resident, the rest streamed through an arena of
         ``plan.arena_bytes`` with prefetch. Memory: as planned (at most the budget).
     """
@@ -63,11 +74,16 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class UnitState:
-    """One offload unit: its host pack, its device bytes, and the events that guard them."""
+    """One offload unit: its host pack, its device bytes, and the events that guard them.
+
+    ``pack`` is None while the unit is resident in steady state and its private pack was dropped (see
+    [Note: one copy of a resident unit]): its ``storage`` then holds the only copy of its weights.
+    ``entries`` and ``nbytes`` are the pack's layout, kept to build the pack again.
+    """
 
     name: str
     module: nn.Module
-    pack: UnitPack
+    pack: UnitPack | None
     parameters: list[tuple[str, nn.Parameter, PackedParameter]]
     copy_done: Any
     compute_done: Any
@@ -76,10 +92,21 @@ class UnitState:
     valid: bool = False
     conflicts: tuple[UnitState, ...] = ()
     prefetch_next: tuple[UnitState, ...] = ()
+    entries: tuple[PackedParameter, ...] = field(init=False)
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return self.pack.nbytes
+    def __post_init__(self) -> None:
+        assert self.pack is not None, "a unit starts with its weights packed on the host"
+        self.entries, self.nbytes = self.pack.entries, self.pack.nbytes
+
+    def kept(self, entry: PackedParameter) -> torch.Tensor:
+        """One parameter's weights where they are kept for sure: the host pack, or the storage of a
+        resident unit whose pack was dropped (a device tensor then). Not a streamed unit's arena range,
+        which may hold another unit's bytes."""
+        if self.pack is not None:
+            return self.pack.view(entry)
+        assert self.resident and self.storage is not None, f"unit {self.name!r} lost its weights"
+        return entry.view(self.storage)
 
     def point_parameters(self) -> None:
         """Alias every parameter to its place in ``storage`` (plan time only)."""
@@ -126,6 +153,7 @@ class OffloadEngine:
         self.units = {u.name: u for u in units}
         self.resident_parameters = resident_parameters  # FQN -> reason, incl. weights found read outside
         self.budget_bytes = budget_bytes
+        self._pin = config.resolved_pinned_memory(runtime.device)  # for packs built again
         self.phase = Phase.DISCOVERY
         self.order: list[str] = []  # execution order, once discovered
         self.plan: Plan | None = None
@@ -164,6 +192,9 @@ class OffloadEngine:
         resident = set(resident)
         rt = self.runtime
         rt.synchronize()
+        for unit in self.units.values():
+            if unit.pack is None and unit.name not in resident:
+                self._rebuild_pack(unit)  # before _free_device_bytes frees its only copy
         kept = self._free_device_bytes(resident)
 
         idle = [u for u in self.units if u not in resident and u not in streamed]
@@ -231,11 +262,33 @@ class OffloadEngine:
 
     def _upload_resident(self, unit: UnitState) -> None:
         """Give a unit entering residency storage of its own, holding its weights for good."""
+        assert unit.pack is not None  # only a resident unit may lack its pack
         unit.storage = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.runtime.device)
         unit.storage.copy_(unit.pack.buffer)
         unit.valid = True
         unit.point_parameters()
         unit.resident = True  # last: a failed upload leaves the unit to be freed and retried next time
+
+    def _drop_resident_packs(self) -> None:
+        """Free the private host pack of every resident unit: in steady state its storage is the only
+        copy it needs (see [Note: one copy of a resident unit]). Plan time only, after apply_layout,
+        whose uploads have completed: no copy in flight reads these packs."""
+        for unit in self.units.values():
+            if unit.resident and unit.pack is not None and not unit.pack.shared:
+                unit.pack.free()
+                unit.pack = None
+
+    def _rebuild_pack(self, unit: UnitState) -> None:
+        """Give a resident unit whose pack was dropped a new one, copied from its device storage, with
+        the layout and pinning of the original. Plan time only, on a synchronised device."""
+        assert unit.resident and unit.storage is not None
+        pack = UnitPack(unit.name, unit.entries, unit.nbytes, self._pin)
+        try:
+            pack.buffer.copy_(unit.storage)  # synchronous: the pack is whole when this returns
+        except BaseException:
+            pack.free()
+            raise
+        unit.pack = pack
 
     def _warm_start(self, order: tuple[str, ...]) -> None:
         """Copy in the first units of the order that do not overlap each other, ahead of the next forward."""
@@ -255,6 +308,11 @@ class OffloadEngine:
         arena = 0 if self._arena is None else self._arena.numel()
         return arena + sum(u.nbytes for u in self.units.values() if u.resident)
 
+    def host_bytes_held(self) -> int:
+        """Host bytes flextensor holds for units: their packs (a shared pack counts its range of the
+        segment). In steady state resident units hold none unless shared."""
+        return sum(u.pack.held_bytes for u in self.units.values() if u.pack is not None)
+
     # -- copies -------------------------------------------------------------------------------------------
 
     def _copy_in(self, unit: UnitState, after: Iterable[UnitState]) -> None:
@@ -268,7 +326,7 @@ class OffloadEngine:
             timing = self._profiler.copy_events(unit.name)
         elif self._recorder is not None:
             timing = self._recorder.copy_events(unit.name, unit.nbytes)
-        assert unit.storage is not None
+        assert unit.storage is not None and unit.pack is not None
         with rt.on_copy_stream():
             if timing is not None:
                 timing[0].record(stream)
@@ -309,7 +367,7 @@ class OffloadEngine:
             for fqn, _, entry in unit.parameters:
                 key = prefix + fqn
                 if key in state_dict:
-                    state_dict[key] = unit.pack.view(entry)
+                    state_dict[key] = unit.kept(entry)
 
     def _guarded_apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
         """``nn.Module._apply``, but only when it leaves every streamed parameter where it is."""
@@ -536,7 +594,7 @@ class OffloadEngine:
         unit = self.units[self._owner_of.pop(param_id)]
         for i, (fqn, param, entry) in enumerate(unit.parameters):
             if id(param) == param_id:
-                param.data = unit.pack.view(entry).to(self.runtime.device, copy=True)
+                param.data = unit.kept(entry).to(self.runtime.device, copy=True)
                 del unit.parameters[i]
                 self.resident_parameters[fqn] = reason
                 logger.info("keeping %s resident: %s", fqn, reason)
@@ -569,7 +627,9 @@ class OffloadEngine:
         for name in [n for n, u in self.units.items() if not u.parameters]:
             for handle in self._unit_handles.pop(name, []):
                 handle.remove()
-            self.units.pop(name).pack.free()
+            pack = self.units.pop(name).pack
+            if pack is not None:
+                pack.free()
             logger.info("unit %s streams nothing now; it is no longer an offload unit", name)
         self.order = [u for u in self.order if u in self.units]
 
@@ -614,17 +674,16 @@ class OffloadEngine:
         """Plan from ``measurements`` (unless given), apply it, and enter steady state."""
         if plan is None:
             plan = plan_offload(measurements, self.budget_bytes)
-            capacity = self.runtime.total_memory()
-            if self.budget_bytes is None and capacity is not None:
-                cap = int(NO_BUDGET_DEVICE_FRACTION * capacity)
-                if plan.predicted_peak_bytes > cap:
-                    logger.info("the no-budget plan would not fit the device; planning for %d bytes", cap)
-                    plan = plan_offload(measurements, cap)
+            cap = self._memory_limit()
+            if self.budget_bytes is None and cap is not None and plan.predicted_peak_bytes > cap:
+                logger.info("the no-budget plan would not fit the device; planning for %d bytes", cap)
+                plan = plan_offload(measurements, cap)
         self.measurements = measurements
         self.plan = plan
         self._plans[measurements.input_shapes] = _PlanState(measurements, plan)
         self.order = [u.name for u in measurements.units]
         self.apply_layout(list(plan.streamed), plan.resident, plan.arena_bytes)
+        self._drop_resident_packs()
         self._set_phase(Phase.INFERENCE)
         self._sync_unit_hooks()
         self._record_next = True  # the first steady step is recorded for report() and trace()
@@ -645,17 +704,57 @@ class OffloadEngine:
         if known is not None:
             if known.plan is not self.plan:
                 self.apply_layout(list(known.plan.streamed), known.plan.resident, known.plan.arena_bytes)
+                self._drop_resident_packs()
                 self.measurements, self.plan = known.measurements, known.plan
                 self._sync_unit_hooks()
             self.input_shapes = shapes  # only once its layout is in place: a failure retries next time
             return
         logger.info("new input shapes %s: profiling them and re-planning", ", ".join(shapes))
-        self.apply_layout(self.order, (), provisional_arena_bytes([self.units[u].nbytes for u in self.order]))
+        resident = self._profiling_residents()
+        streamed = [u for u in self.order if u not in resident]
+        arena = provisional_arena_bytes([self.units[u].nbytes for u in streamed])
+        self.apply_layout(streamed, resident, arena)
         self.input_shapes = shapes
         self._set_phase(Phase.PROFILING)
         self._sync_unit_hooks()
         self._profiler = StepProfiler(self.runtime)
         self._profiler.begin_step()
+
+    def _profiling_residents(self) -> set[str]:
+        """The units kept resident while a new input shape is profiled: those resident now, as far as
+        memory allows.
+
+        Where a unit's weights live changes none of what profiling measures (compute time, activation
+        memory; copy times come from the link model), and keeping them spares rebuilding their packs (see
+        [Note: one copy of a resident unit]). The new shape's activations are unknown until it runs,
+        though: under a memory limit (the budget, or the device's share without one) units stream instead
+        until the layout leaves room for the largest activation peak measured so far. Streaming everything
+        fits whenever any plan does; keeping units can overrun the limit only if the new activations
+        outgrow every shape seen before.
+        """
+        resident = {u.name: u.nbytes for u in self.units.values() if u.resident}
+        limit = self._memory_limit()
+        if limit is None or not resident:
+            return set(resident)
+        reserve = max((s.measurements.activation_peak_bytes for s in self._plans.values()), default=0)
+        fixed = max(0, self.runtime.memory_allocated() - self.device_bytes_held())  # weights, user tensors
+        streamed = [self.units[u].nbytes for u in self.order if u not in resident]
+        kept = residents_within(resident, streamed, limit - fixed - reserve)
+        if len(kept) < len(resident):
+            logger.info(
+                "profiling streams %d of the %d resident unit(s), to leave room for activations",
+                len(resident) - len(kept),
+                len(resident),
+            )
+        return kept
+
+    def _memory_limit(self) -> int | None:
+        """What a plan must fit: the budget, or without one the device's share (None when the device's
+        size is unknown, as on a CPU)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        capacity = self.runtime.total_memory()
+        return None if capacity is None else int(NO_BUDGET_DEVICE_FRACTION * capacity)
 
     def _set_phase(self, phase: Phase) -> None:
         logger.info("%s -> %s after %d forward(s)", self.phase.value, phase.value, self.forwards)
@@ -670,9 +769,13 @@ class OffloadEngine:
         target = device if device is not None else self.runtime.device
         for unit in self.units.values():
             for _, param, entry in unit.parameters:
-                param.data = unit.pack.view(entry).to(target, copy=True)
+                # A copy each, also from a resident unit's storage on the target: a view would keep the
+                # unit's padded storage alive and shared (which safetensors refuses to save).
+                param.data = unit.kept(entry).to(target, copy=True)
             unit.storage = None
-            unit.pack.free()
+            if unit.pack is not None:
+                unit.pack.free()
+                unit.pack = None
         self._arena = None
         if device is not None:
             for param in self.model.parameters():
@@ -694,6 +797,35 @@ class OffloadEngine:
 def provisional_arena_bytes(sizes: list[int]) -> int:
     """Arena while learning: room for the two largest units (or all of them, if that is less)."""
     return min(2 * minimal_arena_bytes(sizes), sum(align_up(s, UNIT_ALIGNMENT) for s in sizes))
+
+
+def residents_within(resident: dict[str, int], streamed: list[int], room: int) -> set[str]:
+    """Which of the ``resident`` units (name -> bytes) to keep so that they and the provisional arena of
+    the rest (``streamed`` sizes plus the units not kept) fit ``room`` bytes.
+
+    Greedy: each step streams the unit whose move saves the most bytes (moving a unit larger than every
+    streamed one grows the arena too), until the layout fits or no move saves anything; a layout that
+    still does not fit gives way to streaming everything if that holds less.
+    """
+    kept = {name: align_up(nbytes, UNIT_ALIGNMENT) for name, nbytes in resident.items()}
+    padded = [align_up(s, UNIT_ALIGNMENT) for s in streamed]
+    total, largest = sum(padded), max(padded, default=0)
+
+    def held(kept_bytes: int, total: int, largest: int) -> int:
+        return kept_bytes + min(2 * largest, total)  # as provisional_arena_bytes
+
+    kept_bytes = sum(kept.values())
+    now = held(kept_bytes, total, largest)
+    while kept and now > room:
+        moves = {n: held(kept_bytes - b, total + b, max(largest, b)) for n, b in kept.items()}
+        name = min(moves, key=lambda n: (moves[n], n))
+        if moves[name] >= now:
+            break
+        size = kept.pop(name)
+        kept_bytes, total, largest, now = kept_bytes - size, total + size, max(largest, size), moves[name]
+    if now > room and held(0, total + kept_bytes, max(largest, *kept.values(), 0)) < now:
+        return set()
+    return set(kept)
 
 
 def _clone_tensors(output: Any) -> Any:

@@ -72,6 +72,8 @@ class Report:
     (10^9 bytes per second). ``link_gbps`` is the probed host-to-device speed at ``typical_unit_bytes``
     (the median streamed unit); ``achieved_gbps`` is what this step's copies moved per second of copy
     time. ``peak_allocated_bytes`` is None on CPU, where device allocations are not counted.
+    ``host_bytes_held`` is the host memory held for the units' weights when the report is made: the packs
+    of streamed units (resident units keep none, unless the packs are shared between processes).
     """
 
     model: str
@@ -89,6 +91,7 @@ class Report:
     link_gbps: float | None
     arena_bytes: int
     device_bytes_held: int
+    host_bytes_held: int
     peak_allocated_bytes: int | None
     predicted_peak_bytes: int
     budget_bytes: int | None
@@ -188,6 +191,7 @@ class Report:
             f"{format_bytes(self.device_bytes_held)} for units: arena {format_bytes(self.arena_bytes)} + "
             f"resident units {format_bytes(resident)}",
         )
+        grid.add_row("host", f"{format_bytes(self.host_bytes_held)} in host RAM for units' weights")
         budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         if self.peak_allocated_bytes is None:
             peak = f"not measured on {self.device}; predicted {format_bytes(self.predicted_peak_bytes)}"
@@ -325,6 +329,7 @@ def report(model: nn.Module) -> Report:
         link_gbps=link.bytes_per_s(typical) / 1e9 if link is not None and typical > 0 else None,
         arena_bytes=0 if arena is None else arena.numel(),
         device_bytes_held=engine.device_bytes_held(),
+        host_bytes_held=engine.host_bytes_held(),
         peak_allocated_bytes=timeline.peak_allocated_bytes if engine.runtime.is_cuda else None,
         predicted_peak_bytes=plan.predicted_peak_bytes,
         budget_bytes=engine.budget_bytes,
