@@ -622,6 +622,46 @@ def test_alternating_plans_keep_shared_resident_units_in_place(monkeypatch: pyte
             _assert_placement(engine, placements[seq])
 
 
+@pytest.mark.parametrize("next_seq", [32, 8], ids=["same-shapes-again", "back-to-the-old-shapes"])
+def test_a_switch_that_fails_half_way_is_laid_out_again_by_the_next_forward(
+    monkeypatch: pytest.MonkeyPatch, next_seq: int
+) -> None:
+    placements = {
+        8: ("embed", "layers.0", "layers.1", "lm_head"),
+        32: ("embed", "layers.1", "layers.3", "lm_head"),
+    }
+    model, tokens, refs = _offload_with_placements(placements)
+    engine = model._flextensor_engine
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])
+    upload = engine._upload_resident
+    armed = [True]
+
+    def out_of_memory_once(unit: UnitState) -> None:
+        if armed[0] and unit.name == "layers.3":  # after layers.0 left residency: the old layout is gone
+            armed[0] = False
+            raise torch.OutOfMemoryError("injected")
+        upload(unit)
+
+    monkeypatch.setattr(engine, "_upload_resident", out_of_memory_once)
+    with torch.no_grad():
+        with pytest.raises(torch.OutOfMemoryError):
+            model(tokens[32])
+        assert torch.equal(model(tokens[next_seq]), refs[next_seq])
+        _assert_placement(engine, placements[next_seq])
+        for seq in (8, 32):
+            assert torch.equal(model(tokens[seq]), refs[seq])
+
+
+def test_a_layout_with_a_unit_both_resident_and_streamed_is_refused() -> None:
+    model, tokens, refs = _offload_with_placements({8: ("embed", "layers.0")})
+    engine = model._flextensor_engine
+    with pytest.raises(ValueError, match=r"both resident and streamed.*layers\.0"):
+        engine.apply_layout(["layers.0", "layers.1"], ["layers.0"], 1 << 20)
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])  # refused before anything moved
+
+
 def test_switching_between_all_resident_plans_uploads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     everything = ("embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head", "lm_head")
     model, tokens, refs = _offload_with_placements({8: everything, 32: everything})

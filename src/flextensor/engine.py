@@ -9,8 +9,9 @@ its range currently holds its weights; copying any unit in clears the flags of t
 a unit run out of the learned order is simply loaded on demand and the output stays right.
 
 Ordering uses events only: a copy waits (on the device) for the compute that last read its range; compute
-waits for the copy. No ``record_stream`` is needed because the arena is allocated once and never handed
-back to the caching allocator while streaming.
+waits for the copy. No ``record_stream`` is needed because the arena is never handed back to the caching
+allocator while streaming: it is replaced only when a layout changes (a new plan, new input shapes), and
+``apply_layout`` synchronises the device before it lets go of the old one.
 
 [Note: one copy of a resident unit]
 A unit resident in steady state never streams, so once a plan is in place its private host pack is freed
@@ -190,6 +191,9 @@ class OffloadEngine:
         and decode) uploads only the units that enter residency.
         """
         resident = set(resident)
+        both = resident.intersection(streamed)
+        if both:  # a hand-edited profile could say so; the planner never does
+            raise ValueError(f"units both resident and streamed in one layout: {sorted(both)}")
         rt = self.runtime
         rt.synchronize()
         for unit in self.units.values():
@@ -700,6 +704,15 @@ class OffloadEngine:
 
     def _on_new_input(self, shapes: tuple[str, ...]) -> None:
         """Inputs changed in steady state: reuse the plan made for them, or profile them and re-plan."""
+        try:
+            self._switch_layout(shapes)
+        except BaseException:
+            # A layout that failed half-way (out of memory) has freed units of the old one: forget which
+            # layout is in place, so that the next forward lays one out again whatever its shapes.
+            self.input_shapes, self.plan = (), None
+            raise
+
+    def _switch_layout(self, shapes: tuple[str, ...]) -> None:
         known = self._plans.get(shapes)
         if known is not None:
             if known.plan is not self.plan:
@@ -707,7 +720,7 @@ class OffloadEngine:
                 self._drop_resident_packs()
                 self.measurements, self.plan = known.measurements, known.plan
                 self._sync_unit_hooks()
-            self.input_shapes = shapes  # only once its layout is in place: a failure retries next time
+            self.input_shapes = shapes
             return
         logger.info("new input shapes %s: profiling them and re-planning", ", ".join(shapes))
         resident = self._profiling_residents()
