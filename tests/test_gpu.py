@@ -130,3 +130,40 @@ def test_capacity_follows_the_per_process_memory_fraction() -> None:
         assert runtime.total_memory() == int(card * 0.25)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, runtime.device)
+
+
+def test_resident_units_drop_their_host_copy_and_get_it_back_pinned_when_they_stream() -> None:
+    """Two input lengths whose plans swap which layers are resident: a unit leaving residency has its
+    pinned pack rebuilt from device storage, and outputs stay native's bit for bit."""
+    import dataclasses
+
+    from flextensor.engine import _input_shapes, provisional_arena_bytes
+
+    lengths = (64, 256)
+    inputs = {n: torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths}
+    refs = {n: _native_reference(medium_llama, inputs[n])[0] for n in lengths}
+    config = flextensor.OffloadConfig(include_patterns=["model.layers.*"], gpu_memory_budget="300MiB")
+    model = flextensor.offload(medium_llama(), config)
+    engine = model._flextensor_engine
+    with torch.no_grad():
+        for n in lengths:
+            for _ in range(3):
+                model(inputs[n].cuda())
+    names = sorted(engine.units)
+    halves = {64: tuple(names[: len(names) // 2]), 256: tuple(names[len(names) // 2 :])}
+    for n, resident in halves.items():
+        state = engine._plans[_input_shapes((inputs[n].cuda(),), {})]
+        streamed = tuple(u for u in state.measurements.unit_names() if u not in resident)
+        sizes = [engine.units[u].nbytes for u in streamed]
+        arena = max(state.plan.arena_bytes, provisional_arena_bytes(sizes))
+        plan = dataclasses.replace(state.plan, resident=resident, streamed=streamed, arena_bytes=arena)
+        engine.install_plan(state.measurements, plan)
+    with torch.no_grad():
+        for n in (64, 256, 64, 256):
+            assert torch.equal(model(inputs[n].cuda()).logits, refs[n])
+            for name, unit in engine.units.items():
+                if name in halves[n]:
+                    assert unit.pack is None and unit.resident
+                else:
+                    assert unit.pack is not None and unit.pack.pinned and unit.pack.buffer.is_pinned()
+    flextensor.release(model)
