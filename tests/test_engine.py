@@ -16,6 +16,7 @@ from torch import nn
 import flextensor
 from flextensor.engine import (
     OffloadEngine,
+    Phase,
     UnitState,
     _input_shapes,
     provisional_arena_bytes,
@@ -581,10 +582,10 @@ def _assert_packs_hold_the_weights(engine: OffloadEngine, names: Iterable[str]) 
 
 
 def _assert_packs_dropped(engine: OffloadEngine, resident: Iterable[str]) -> None:
-    """Resident units hold no host pack; every other unit holds its own."""
-    resident = set(resident)
+    """Units resident now and in every saved plan hold no host pack; every other unit holds its own."""
+    everywhere = set(resident).intersection(*(state.plan.resident for state in engine._plans.values()))
     for name, unit in engine.units.items():
-        assert (unit.pack is None) == (name in resident), name
+        assert (unit.pack is None) == (name in everywhere), name
     assert engine.host_bytes_held() == sum(u.pack.held_bytes for u in engine.units.values() if u.pack)
 
 
@@ -721,31 +722,43 @@ def _count_rebuilds(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch) -> l
     return rebuilt
 
 
-def test_steady_state_drops_resident_packs_and_switches_rebuild_them_exactly(
+def test_only_units_resident_in_every_plan_drop_their_pack_and_a_plan_streaming_one_rebuilds_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # layers.0 and layers.3 trade places; the plan for 32 is in force first.
+    # layers.0 and layers.3 trade places between the two plans: they keep their packs, so alternating
+    # re-pins nothing; embed, layers.1 and lm_head are resident in both and hold no host copy.
     placements = {
         8: ("embed", "layers.0", "layers.1", "lm_head"),
         32: ("embed", "layers.1", "layers.3", "lm_head"),
     }
+    everywhere = {"embed", "layers.1", "lm_head"}
     model, tokens, refs = _offload_with_placements(placements)
     engine = model._flextensor_engine
     _assert_packs_dropped(engine, placements[32])
-    streamed_bytes = sum(u.pack.held_bytes for n, u in engine.units.items() if n not in placements[32])
-    assert engine.host_bytes_held() == streamed_bytes
-    layer0 = engine.units["layers.0"].pack.buffer.clone()  # as packed by offload(), padding included
+    assert {n for n, u in engine.units.items() if u.pack is None} == everywhere
+    assert engine.host_bytes_held() == sum(u.pack.held_bytes for u in engine.units.values() if u.pack)
     rebuilt = _count_rebuilds(engine, monkeypatch)
     with torch.no_grad():
-        for seq, before in ((8, 32), (32, 8), (8, 32), (32, 8)):
-            rebuilt.clear()
+        for seq in (8, 32, 8, 32):
             assert torch.equal(model(tokens[seq]), refs[seq]), f"seq {seq} differs from the resident model"
             assert torch.equal(model(tokens[seq]), refs[seq])
-            assert sorted(rebuilt) == sorted(set(placements[before]) - set(placements[seq]))
             _assert_placement(engine, placements[seq])
             _assert_packs_dropped(engine, placements[seq])
-            _assert_packs_hold_the_weights(engine, set(placements[before]) - set(placements[seq]))
-    assert torch.equal(engine.units["layers.0"].pack.buffer, layer0)  # rebuilt byte for byte
+    assert rebuilt == []
+    _assert_packs_hold_the_weights(engine, {"layers.0", "layers.3"})
+
+    # A plan for 8 that streams layers.1: its pack is built again from its storage, exactly.
+    state = engine._plans[_input_shapes((tokens[8],), {})]
+    resident = ("embed", "layers.0", "lm_head")
+    streamed = tuple(u for u in state.measurements.unit_names() if u not in resident)
+    arena = max(state.plan.arena_bytes, provisional_arena_bytes([engine.units[u].nbytes for u in streamed]))
+    plan = dataclasses.replace(state.plan, resident=resident, streamed=streamed, arena_bytes=arena)
+    engine.install_plan(state.measurements, plan)
+    assert rebuilt == ["layers.1"]
+    _assert_packs_hold_the_weights(engine, {"layers.1"})
+    with torch.no_grad():
+        for seq in (8, 32, 8):
+            assert torch.equal(model(tokens[seq]), refs[seq])
 
 
 def test_new_shape_profiles_with_resident_units_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -784,6 +797,61 @@ def test_new_shape_profiles_with_resident_units_in_place(monkeypatch: pytest.Mon
         assert torch.equal(model(tokens[8]), refs[8])  # back to the hand-made plan
     _assert_packs_hold_the_weights(engine, set(engine.units) - set(placements[8]))
     _assert_packs_dropped(engine, placements[8])
+
+
+def test_a_profiling_forward_out_of_memory_with_residents_held_profiles_again_streaming_everything() -> None:
+    placements = {8: ("embed", "layers.0", "layers.1", "lm_head")}
+    model, tokens, refs = _offload_with_placements(placements, tight=False)
+    engine = model._flextensor_engine
+    longer = spec_tokens(seq=16)
+    ref = run_forwards(make_spec_model(), longer, 1)[0]
+    armed = [True]
+
+    def out_of_memory_once(module: nn.Module, args: tuple) -> None:
+        if armed[0]:  # the new shape's activations did not fit beside the resident units
+            armed[0] = False
+            raise torch.OutOfMemoryError("injected")
+
+    handle = model.layers[2].register_forward_pre_hook(out_of_memory_once)
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError):
+        model(longer)
+    handle.remove()
+    assert flextensor.phase(model) == "profiling"
+    _assert_placement(engine, ())  # every unit streams now, so the next profiling forward has room
+    _assert_packs_hold_the_weights(engine, engine.units)
+    assert_all_equal(run_forwards(model, longer, 3), ref)
+    assert flextensor.phase(model) == "inference"
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])
+
+
+def test_a_plan_whose_layout_fails_profiles_again_and_the_next_plan_lands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    engine = model._flextensor_engine
+    tokens = spec_tokens()
+    ref = run_forwards(make_spec_model(), tokens, 1)[0]
+    apply_layout = engine.apply_layout
+    armed = [True]
+
+    def fails_half_way_once(streamed: list[str], resident: Iterable[str], arena_bytes: int) -> None:
+        if armed[0] and engine._profiler is None and engine.phase is Phase.PROFILING:  # the plan's layout
+            armed[0] = False
+            engine._free_device_bytes(set())  # what a failure after the old layout was let go leaves
+            raise torch.OutOfMemoryError("injected")
+        apply_layout(streamed, resident, arena_bytes)
+
+    monkeypatch.setattr(engine, "apply_layout", fails_half_way_once)
+    with torch.no_grad():
+        assert torch.equal(model(tokens), ref)  # discovery
+        with pytest.raises(torch.OutOfMemoryError):
+            model(tokens)  # profiling; its plan's layout fails
+    assert flextensor.phase(model) == "profiling" and engine.plan is None
+    _assert_placement(engine, ())
+    assert_all_equal(run_forwards(model, tokens, 3), ref)
+    assert flextensor.phase(model) == "inference"
+    _assert_placement(engine, engine.plan.resident)
 
 
 def test_profiling_keeps_the_residents_that_leave_room_within_the_limit() -> None:

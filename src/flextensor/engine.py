@@ -14,14 +14,15 @@ allocator while streaming: it is replaced only when a layout changes (a new plan
 ``apply_layout`` synchronises the device before it lets go of the old one.
 
 [Note: one copy of a resident unit]
-A unit resident in steady state never streams, so once a plan is in place its private host pack is freed
-(unpinned and unmapped): its device storage holds the only copy of its weights, and host RAM holds only
-what streams. Packs in a segment shared with other processes (``share_host_memory``) stay: those read it.
-Before such a unit's storage is ever freed (a plan that streams it, profiling, ``release``) its pack is
-built again from that storage with one device-to-host copy, so every weight is always in a pack or in
-resident storage (``UnitState.kept``). Profiling a new input shape keeps the resident units resident, as
-far as memory allows (see ``_profiling_residents``): a decode loop that re-plans at each new length then
-rebuilds no packs.
+A unit resident in every saved plan never streams, so once a plan is in place its private host pack is
+freed (unpinned and unmapped): its device storage holds the only copy of its weights, and host RAM holds
+little more than what streams. A unit some saved plan streams keeps its pack, so that switching between
+plans (prefill and decode) re-pins nothing. Packs in a segment shared with other processes
+(``share_host_memory``) stay: those read it. Before a dropped unit's storage is ever freed (a new plan that
+streams it, profiling, ``release``) its pack is built again from that storage with one device-to-host copy,
+so every weight is always in a pack or in resident storage (``UnitState.kept``). Profiling a new input
+shape keeps the resident units resident, as far as memory allows (see ``_profiling_residents``; a
+profiling forward that runs out of memory anyway profiles again with every unit streamed).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .discovery import OutsideReadTracker
-from .errors import BackwardNotSupportedError, ConcurrentForwardError
+from .errors import BackwardNotSupportedError, ConcurrentForwardError, FlexTensorError
 from .host_store import PackedParameter, UnitPack
 from .layout import UNIT_ALIGNMENT, align_up, minimal_arena_bytes, ring_layout
 from .measurements import LinkModel, Measurements
@@ -274,11 +275,14 @@ class OffloadEngine:
         unit.resident = True  # last: a failed upload leaves the unit to be freed and retried next time
 
     def _drop_resident_packs(self) -> None:
-        """Free the private host pack of every resident unit: in steady state its storage is the only
-        copy it needs (see [Note: one copy of a resident unit]). Plan time only, after apply_layout,
-        whose uploads have completed: no copy in flight reads these packs."""
+        """Free the private host pack of every unit resident in every saved plan: its storage is the only
+        copy it needs (see [Note: one copy of a resident unit]). A unit that some other plan streams keeps
+        its pack, so that switching between plans (prefill and decode) re-pins nothing. Plan time only,
+        after apply_layout, whose uploads have completed: no copy in flight reads these packs."""
+        plans = [set(state.plan.resident) for state in self._plans.values()]
+        everywhere = set.intersection(*plans) if plans else set(self.units)
         for unit in self.units.values():
-            if unit.resident and unit.pack is not None and not unit.pack.shared:
+            if unit.name in everywhere and unit.resident and unit.pack is not None and not unit.pack.shared:
                 unit.pack.free()
                 unit.pack = None
 
@@ -286,7 +290,11 @@ class OffloadEngine:
         """Give a resident unit whose pack was dropped a new one, copied from its device storage, with
         the layout and pinning of the original. Plan time only, on a synchronised device."""
         assert unit.resident and unit.storage is not None
-        pack = UnitPack(unit.name, unit.entries, unit.nbytes, self._pin)
+        try:
+            pack = UnitPack(unit.name, unit.entries, unit.nbytes, self._pin)
+        except FlexTensorError as exc:  # page-locking refused (memlock limit): slower copies, same bytes
+            logger.warning("%s; unit %s streams from pageable memory instead", exc, unit.name)
+            pack = UnitPack(unit.name, unit.entries, unit.nbytes, False)
         try:
             pack.buffer.copy_(unit.storage)  # synchronous: the pack is whole when this returns
         except BaseException:
@@ -314,7 +322,7 @@ class OffloadEngine:
 
     def host_bytes_held(self) -> int:
         """Host bytes flextensor holds for units: their packs (a shared pack counts its range of the
-        segment). In steady state resident units hold none unless shared."""
+        segment). In steady state units resident in every saved plan hold none unless shared."""
         return sum(u.pack.held_bytes for u in self.units.values() if u.pack is not None)
 
     # -- copies -------------------------------------------------------------------------------------------
@@ -480,6 +488,12 @@ class OffloadEngine:
             self._profiler = None
             if not failed:
                 self._end_profiling_forward(sample)
+            elif issubclass(sys.exc_info()[0], torch.OutOfMemoryError) and self._holds_resident_units():
+                # Units kept resident to profile a new shape left too little room for its activations.
+                self._profile_again_streaming_everything("a profiling forward ran out of device memory")
+
+    def _holds_resident_units(self) -> bool:
+        return any(unit.resident for unit in self.units.values())
 
     def _unit_pre_hook(self, unit: UnitState) -> Any:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -682,11 +696,15 @@ class OffloadEngine:
             if self.budget_bytes is None and cap is not None and plan.predicted_peak_bytes > cap:
                 logger.info("the no-budget plan would not fit the device; planning for %d bytes", cap)
                 plan = plan_offload(measurements, cap)
+        self.order = [u.name for u in measurements.units]
+        try:
+            self.apply_layout(list(plan.streamed), plan.resident, plan.arena_bytes)
+        except BaseException:
+            self._profile_again_streaming_everything("the plan's layout failed")
+            raise
         self.measurements = measurements
         self.plan = plan
         self._plans[measurements.input_shapes] = _PlanState(measurements, plan)
-        self.order = [u.name for u in measurements.units]
-        self.apply_layout(list(plan.streamed), plan.resident, plan.arena_bytes)
         self._drop_resident_packs()
         self._set_phase(Phase.INFERENCE)
         self._sync_unit_hooks()
@@ -701,6 +719,20 @@ class OffloadEngine:
             plan.predicted_peak_bytes / 2**30,
             "" if plan.budget_bytes is None else f" (budget {plan.budget_bytes / 2**30:.2f} GiB)",
         )
+
+    def _profile_again_streaming_everything(self, why: str) -> None:
+        """Go back to the learning layout, every unit streamed through the provisional arena (it fits
+        whenever any plan does), and profile the next forward afresh. The way back from a layout that
+        failed half-way, or from a profiling forward that ran out of memory with units held resident."""
+        logger.warning("%s: streaming every unit and profiling the next forward again", why)
+        self._samples, self._phase_forwards = [], 0
+        self.input_shapes, self.plan = (), None
+        self._set_phase(Phase.PROFILING)
+        try:
+            arena = provisional_arena_bytes([self.units[u].nbytes for u in self.order])
+            self.apply_layout(self.order, (), arena)
+        finally:
+            self._sync_unit_hooks()
 
     def _on_new_input(self, shapes: tuple[str, ...]) -> None:
         """Inputs changed in steady state: reuse the plan made for them, or profile them and re-plan."""

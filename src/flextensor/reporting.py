@@ -73,7 +73,9 @@ class Report:
     (the median streamed unit); ``achieved_gbps`` is what this step's copies moved per second of copy
     time. ``peak_allocated_bytes`` is None on CPU, where device allocations are not counted.
     ``host_bytes_held`` is the host memory held for the units' weights when the report is made: the packs
-    of streamed units (resident units keep none, unless the packs are shared between processes).
+    of the units some plan streams (units resident in every plan keep none, unless the packs are shared
+    between processes). A freed pack that tensors still view (a ``state_dict()`` taken earlier) stays
+    mapped until they go, and is not counted.
     """
 
     model: str
