@@ -30,6 +30,7 @@ from flextensor.errors import (
     SelectionError,
 )
 from flextensor.layout import UNIT_ALIGNMENT
+from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
 from real_models import llama_inputs, tiny_llama, tiny_wan, wan_inputs
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
@@ -799,6 +800,15 @@ def test_new_shape_profiles_with_resident_units_in_place(monkeypatch: pytest.Mon
     _assert_packs_dropped(engine, placements[8])
 
 
+def _residency_seen_by(module: nn.Module, engine: OffloadEngine) -> list[set[str]]:
+    """The resident units at each call of ``module`` from now on."""
+    seen: list[set[str]] = []
+    module.register_forward_pre_hook(
+        lambda *_: seen.append({u.name for u in engine.units.values() if u.resident})
+    )
+    return seen
+
+
 def test_a_profiling_forward_out_of_memory_with_residents_held_profiles_again_streaming_everything() -> None:
     placements = {8: ("embed", "layers.0", "layers.1", "lm_head")}
     model, tokens, refs = _offload_with_placements(placements, tight=False)
@@ -817,15 +827,15 @@ def test_a_profiling_forward_out_of_memory_with_residents_held_profiles_again_st
         model(longer)
     handle.remove()
     assert flextensor.phase(model) == "profiling"
-    _assert_placement(engine, ())  # every unit streams now, so the next profiling forward has room
-    _assert_packs_hold_the_weights(engine, engine.units)
+    seen = _residency_seen_by(model.layers[3], engine)
     assert_all_equal(run_forwards(model, longer, 3), ref)
+    assert seen[0] == set()  # the profiling forward after the failure streamed every unit
     assert flextensor.phase(model) == "inference"
     with torch.no_grad():
         assert torch.equal(model(tokens[8]), refs[8])
 
 
-def test_a_plan_whose_layout_fails_profiles_again_and_the_next_plan_lands(
+def test_a_plan_whose_layout_fails_profiles_again_and_retries_until_a_layout_lands(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
@@ -833,25 +843,53 @@ def test_a_plan_whose_layout_fails_profiles_again_and_the_next_plan_lands(
     tokens = spec_tokens()
     ref = run_forwards(make_spec_model(), tokens, 1)[0]
     apply_layout = engine.apply_layout
-    armed = [True]
+    failures = [2]  # the plan's layout, then the first attempt at the layout to profile again
 
-    def fails_half_way_once(streamed: list[str], resident: Iterable[str], arena_bytes: int) -> None:
-        if armed[0] and engine._profiler is None and engine.phase is Phase.PROFILING:  # the plan's layout
-            armed[0] = False
+    def fails_half_way(streamed: list[str], resident: Iterable[str], arena_bytes: int) -> None:
+        if failures[0] and engine.phase is Phase.PROFILING:
+            failures[0] -= 1
             engine._free_device_bytes(set())  # what a failure after the old layout was let go leaves
-            raise torch.OutOfMemoryError("injected")
+            raise RuntimeError("injected")
         apply_layout(streamed, resident, arena_bytes)
 
-    monkeypatch.setattr(engine, "apply_layout", fails_half_way_once)
     with torch.no_grad():
         assert torch.equal(model(tokens), ref)  # discovery
-        with pytest.raises(torch.OutOfMemoryError):
-            model(tokens)  # profiling; its plan's layout fails
-    assert flextensor.phase(model) == "profiling" and engine.plan is None
-    _assert_placement(engine, ())
+        monkeypatch.setattr(engine, "apply_layout", fails_half_way)
+        with pytest.raises(RuntimeError, match="injected"):
+            model(tokens)  # profiling: the forward ran, its plan's layout failed
+        assert flextensor.phase(model) == "profiling" and engine.plan is None
+        with pytest.raises(RuntimeError, match="injected"):
+            model(tokens)  # laying out to profile again fails too: the next forward tries again
     assert_all_equal(run_forwards(model, tokens, 3), ref)
     assert flextensor.phase(model) == "inference"
     _assert_placement(engine, engine.plan.resident)
+
+
+def test_after_a_layout_ran_out_of_memory_the_next_plan_asks_for_less(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    engine = model._flextensor_engine
+    names = list(engine.units)
+    size = max(u.nbytes for u in engine.units.values())
+    measurements = Measurements(  # transfer-bound: without a limit everything stays resident
+        units=tuple(UnitMeasurement(name, size, 1e-3) for name in names),
+        link=LinkModel.constant(size / 10e-3),
+        baseline_bytes=0,
+        activation_peak_bytes=size,
+    )
+    first = engine._make_plan(measurements)
+    assert set(first.resident) == set(names)
+
+    def out_of_memory(*args: object) -> None:
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(engine, "apply_layout", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.install_plan(measurements, first)
+    second = engine._make_plan(measurements)
+    assert second.predicted_peak_bytes <= 0.9 * first.predicted_peak_bytes
+    assert len(second.resident) < len(names)
 
 
 def test_profiling_keeps_the_residents_that_leave_room_within_the_limit() -> None:

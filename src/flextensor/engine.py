@@ -54,6 +54,8 @@ logger = logging.getLogger("flextensor")
 NO_BUDGET_DEVICE_FRACTION = 0.92
 """Without a budget the plan still has to fit the device: this share of its memory, leaving room for the
 caching allocator's fragmentation and other processes' contexts."""
+FAILED_LAYOUT_SHRINK = 0.9
+"""After a plan's layout ran out of memory, the next plan's predicted peak stays under this share of it."""
 
 
 class Phase(enum.Enum):
@@ -181,6 +183,8 @@ class OffloadEngine:
         self._recorder: StepRecorder | None = None  # armed for one steady step; None costs nothing
         self._record_next = False
         self.last_recording: StepRecorder | None = None
+        self._layout_lost = False  # units may lack device bytes: the next forward lays them out first
+        self._failed_peak_bytes: int | None = None  # predicted peak of a plan whose layout ran out of memory
 
     # -- layout -------------------------------------------------------------------------------------------
 
@@ -461,6 +465,8 @@ class OffloadEngine:
             self._tracker = OutsideReadTracker(self._owner_of, self._active, self._keep_outside_read_resident)
             self._tracker.__enter__()
         elif self.phase is Phase.PROFILING:
+            if self._layout_lost:
+                self._lay_out_to_profile()
             self._profiler = StepProfiler(self.runtime)
             self._profiler.begin_step()
 
@@ -691,15 +697,15 @@ class OffloadEngine:
     def install_plan(self, measurements: Measurements, plan: Plan | None = None) -> None:
         """Plan from ``measurements`` (unless given), apply it, and enter steady state."""
         if plan is None:
-            plan = plan_offload(measurements, self.budget_bytes)
-            cap = self._memory_limit()
-            if self.budget_bytes is None and cap is not None and plan.predicted_peak_bytes > cap:
-                logger.info("the no-budget plan would not fit the device; planning for %d bytes", cap)
-                plan = plan_offload(measurements, cap)
+            plan = self._make_plan(measurements)
         self.order = [u.name for u in measurements.units]
         try:
             self.apply_layout(list(plan.streamed), plan.resident, plan.arena_bytes)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                # The device had less room than measured (memory taken since, fragmentation): the next
+                # plan asks for less, or raises BudgetError, rather than failing the same way again.
+                self._failed_peak_bytes = plan.predicted_peak_bytes
             self._profile_again_streaming_everything("the plan's layout failed")
             raise
         self.measurements = measurements
@@ -720,19 +726,36 @@ class OffloadEngine:
             "" if plan.budget_bytes is None else f" (budget {plan.budget_bytes / 2**30:.2f} GiB)",
         )
 
+    def _make_plan(self, measurements: Measurements) -> Plan:
+        """The plan for ``measurements``: under the budget; without one, within the device's share; and
+        below the peak of a plan whose layout ran out of memory."""
+        plan = plan_offload(measurements, self.budget_bytes)
+        limit = self._memory_limit()
+        if self._failed_peak_bytes is not None:
+            shrunk = int(FAILED_LAYOUT_SHRINK * self._failed_peak_bytes)
+            limit = shrunk if limit is None else min(limit, shrunk)
+        if limit is not None and plan.predicted_peak_bytes > limit:
+            logger.info("the plan would not fit the memory left; planning for %d bytes", limit)
+            plan = plan_offload(measurements, limit)
+        return plan
+
     def _profile_again_streaming_everything(self, why: str) -> None:
-        """Go back to the learning layout, every unit streamed through the provisional arena (it fits
-        whenever any plan does), and profile the next forward afresh. The way back from a layout that
-        failed half-way, or from a profiling forward that ran out of memory with units held resident."""
-        logger.warning("%s: streaming every unit and profiling the next forward again", why)
+        """Profile the next forward afresh with every unit streamed through a provisional arena: the way
+        back from a plan whose layout failed half-way, or from a profiling forward that ran out of memory
+        with units held resident. The layout itself is made by the next forward (``_lay_out_to_profile``),
+        not here: here the failed forward's tensors may still hold the memory it needs."""
+        logger.warning("%s: the next forward streams every unit and is profiled again", why)
         self._samples, self._phase_forwards = [], 0
         self.input_shapes, self.plan = (), None
         self._set_phase(Phase.PROFILING)
-        try:
-            arena = provisional_arena_bytes([self.units[u].nbytes for u in self.order])
-            self.apply_layout(self.order, (), arena)
-        finally:
-            self._sync_unit_hooks()
+        self._layout_lost = True
+
+    def _lay_out_to_profile(self) -> None:
+        """Stream every unit through a provisional arena; until this succeeds, every forward tries again."""
+        arena = provisional_arena_bytes([self.units[u].nbytes for u in self.order])
+        self.apply_layout(self.order, (), arena)
+        self._sync_unit_hooks()
+        self._layout_lost = False
 
     def _on_new_input(self, shapes: tuple[str, ...]) -> None:
         """Inputs changed in steady state: reuse the plan made for them, or profile them and re-plan."""
