@@ -905,6 +905,9 @@ def test_profiling_keeps_the_residents_that_leave_room_within_the_limit() -> Non
     # No single move saves anything, but streaming both holds less than keeping them.
     assert residents_within({"x": 10 * page, "y": 10 * page}, [page], 0) == set()
     assert residents_within({}, streamed, 0) == set()
+    # Units that never ran set a floor under the arena: keeping a unit must leave room beside it.
+    assert residents_within({"a": page}, [page], 3 * page) == {"a"}
+    assert residents_within({"a": page}, [page], 3 * page, arena_floor=3 * page) == set()
 
 
 @pytest.mark.parametrize("device", [None, "cpu"])

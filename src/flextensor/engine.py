@@ -807,7 +807,9 @@ class OffloadEngine:
         reserve = max((s.measurements.activation_peak_bytes for s in self._plans.values()), default=0)
         fixed = max(0, self.runtime.memory_allocated() - self.device_bytes_held())  # weights, user tensors
         streamed = [self.units[u].nbytes for u in self.order if u not in resident]
-        kept = residents_within(resident, streamed, limit - fixed - reserve)
+        # Units that never ran are loaded on demand at the arena's start: the arena holds the largest.
+        idle = minimal_arena_bytes([u.nbytes for n, u in self.units.items() if n not in self.order])
+        kept = residents_within(resident, streamed, limit - fixed - reserve, arena_floor=idle)
         if len(kept) < len(resident):
             logger.info(
                 "profiling streams %d of the %d resident unit(s), to leave room for activations",
@@ -867,9 +869,11 @@ def provisional_arena_bytes(sizes: list[int]) -> int:
     return min(2 * minimal_arena_bytes(sizes), sum(align_up(s, UNIT_ALIGNMENT) for s in sizes))
 
 
-def residents_within(resident: dict[str, int], streamed: list[int], room: int) -> set[str]:
+def residents_within(
+    resident: dict[str, int], streamed: list[int], room: int, arena_floor: int = 0
+) -> set[str]:
     """Which of the ``resident`` units (name -> bytes) to keep so that they and the provisional arena of
-    the rest (``streamed`` sizes plus the units not kept) fit ``room`` bytes.
+    the rest (``streamed`` sizes plus the units not kept; at least ``arena_floor`` bytes) fit ``room``.
 
     Greedy: each step streams the unit whose move saves the most bytes (moving a unit larger than every
     streamed one grows the arena too), until the layout fits or no move saves anything; a layout that
@@ -880,7 +884,7 @@ def residents_within(resident: dict[str, int], streamed: list[int], room: int) -
     total, largest = sum(padded), max(padded, default=0)
 
     def held(kept_bytes: int, total: int, largest: int) -> int:
-        return kept_bytes + min(2 * largest, total)  # as provisional_arena_bytes
+        return kept_bytes + max(min(2 * largest, total), arena_floor)  # as provisional_arena_bytes
 
     kept_bytes = sum(kept.values())
     now = held(kept_bytes, total, largest)
