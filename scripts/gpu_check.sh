@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One call on the GPU machine that checks the engine after a change: the GPU tests, then our methods on
+# llama32 (host RSS in steady state, step time against native and flextensor 0.5.0) and wan20 (the
+# anchor target). Fits a 10-minute device call; results land in $OUT (default benchmarks/results).
+#   device tool: carry [".whl"], command: bash scripts/gpu_check.sh
+# Fill .whl first with `bash benchmarks/fetch_peer_wheels.sh` on a machine with internet.
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+export FLEXTENSOR_BENCH_CACHE=${FLEXTENSOR_BENCH_CACHE:-/tmp/ftcache}
+out=${OUT:-benchmarks/results}
+start=$SECONDS
+python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -5
+python3 -m benchmarks.run --workload llama32 --device cuda --out "$out" --deadline 230 --timeout 90 \
+    --min-steps 5 --methods native,ours,ours_budget:6GiB,flextensor050 2>&1 | tail -7
+left=$((560 - (SECONDS - start)))
+python3 -m benchmarks.run --workload wan20 --device cuda --out "$out" --deadline "$left" --timeout 120 \
+    --min-steps 5 --methods native,ours,ours_budget:5.7GB 2>&1 | tail -6
