@@ -28,8 +28,9 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
 
     Returns the same object, patched in place. After this call the selected parameters live in (pinned)
     host RAM and everything else is on ``config.device`` for good. The first forwards discover the
-    execution order and profile it (see ``phase``); then weights are prefetched on a side stream, and
-    units the plan keeps on the device free their host copy (unless it is shared between processes).
+    execution order and profile it (see ``phase``; with ``config.profile`` the saved plan is in place at
+    once); then weights are prefetched on a side stream, and units resident in every plan made so far free
+    their host copy (unless it is shared between processes).
     If anything fails here, the model is left exactly as it was.
     """
     if not isinstance(model, nn.Module):
@@ -231,8 +232,8 @@ def offload_units(model: nn.Module) -> list[str]:
 def offloaded_parameters(model: nn.Module) -> list[str]:
     """Fully qualified names of the parameters of the offload units: streamed, or streamable.
 
-    The plan may keep some of their units resident; those hold their weights on the device only, and no
-    host copy (unless the host memory is shared between processes).
+    The plan may keep some of their units resident; those resident in every plan made so far hold their
+    weights on the device only, with no host copy (unless the host memory is shared between processes).
     """
     engine = _engine(model)
     return [fqn for name in offload_units(model) for fqn, _, _ in engine.units[name].parameters]

@@ -266,12 +266,14 @@ class OffloadConfig(BaseModel):
     gpu_memory_budget: int | None = Field(
         default=None,
         description=(
-            "A cap, in bytes, on the peak allocated device memory of every steady-state step: weights, "
-            "copies in flight and activations together, as torch.cuda.max_memory_allocated measures from "
-            "the step's start. Accepts an int or a string such as '8GiB', '7.5GB' or '512MiB'; must be "
-            "> 0. An infeasible budget raises BudgetError when the plan is made. Set this or "
-            "max_gpu_mem_fraction, not both; with neither, the planner keeps resident only what cannot "
-            "stream without slowing the step (within the device's memory)."
+            "A bound, in bytes, on the planned peak allocated device memory of a steady-state step: "
+            "weights, copies in flight and activations together, as torch.cuda.max_memory_allocated "
+            "measures from the step's start, predicted from the profiled forward (a larger input of the "
+            "same power-of-two size group can exceed it). Accepts an int or a string such as '8GiB', "
+            "'7.5GB' or '512MiB'; must be > 0. An infeasible budget raises BudgetError when the plan is "
+            "made. Set this or max_gpu_mem_fraction, not both; with neither, the planner keeps resident "
+            "only what cannot stream without slowing the step, within 92% of the memory this process "
+            "may use on the device."
         ),
     )
     max_gpu_mem_fraction: float | None = Field(

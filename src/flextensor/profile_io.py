@@ -12,7 +12,6 @@ import torch
 
 from .engine import OffloadEngine
 from .errors import ProfileError
-from .planner import plan_offload
 from .profile import (
     Compatibility,
     Fingerprint,
@@ -100,13 +99,19 @@ def start_from_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> N
         )
         if engine.link is not None:
             measurements = dataclasses.replace(measurements, link=engine.link)
-        plan = plan_offload(measurements, engine.budget_bytes)
-    elif plan.budget_bytes != engine.budget_bytes:
+        plan = None  # install_plan plans as a fresh run would (budget, device ceiling)
+    elif plan.budget_bytes not in (engine.budget_bytes, _no_budget_ceiling(engine)):
         logger.info("profile %s was planned for another budget; re-planning", source)
-        plan = plan_offload(measurements, engine.budget_bytes)
+        plan = None
     engine.order = list(profile.order)
     engine.input_shapes = measurements.input_shapes
     engine.install_plan(measurements, plan)
+
+
+def _no_budget_ceiling(engine: OffloadEngine) -> int | None:
+    """Without a budget, the ceiling a plan that would not fit the device was made under (its recorded
+    budget): such a plan is this engine's own, not one for another budget."""
+    return engine._memory_limit() if engine.budget_bytes is None else engine.budget_bytes
 
 
 def _match_units(engine: OffloadEngine, profile: Profile, source: str) -> None:
