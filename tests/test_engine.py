@@ -256,6 +256,32 @@ class Branchy(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["no-budget", "tightest-budget"])
+def test_llama_generate_matches_the_plain_model_token_for_token(streaming: bool) -> None:
+    """generate(): a prefill, then decode steps on a growing cache; a plan for each, switched between at
+    every call."""
+    prompt = llama_inputs(batch=2, seq=5)
+    settings = {
+        "max_new_tokens": 24,
+        "do_sample": False,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+    }
+    with torch.no_grad():
+        ref = tiny_llama(tie=False).generate(prompt, **settings)
+    model = tiny_llama(tie=False)
+    config = streaming_config(model, ["model.layers.*"]) if streaming else flextensor.OffloadConfig(**CPU)
+    model = flextensor.offload(model, config)
+    with torch.no_grad():
+        for _ in range(2):  # the first call learns; the second runs on the plans it made
+            out = model.generate(prompt, **settings)
+            assert torch.equal(out.sequences, ref.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores, strict=True))
+    engine = model._flextensor_engine
+    assert len(engine._plans) == 2  # the prompt and the decode step (the cache is not a tensor argument)
+    assert flextensor.phase(model) == "inference"
+
+
 def test_out_of_order_units_load_on_demand_and_stay_right() -> None:
     x = torch.randn(3, 16)
     ref_model = Branchy()
