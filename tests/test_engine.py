@@ -282,6 +282,66 @@ def test_llama_generate_matches_the_plain_model_token_for_token(streaming: bool)
     assert flextensor.phase(model) == "inference"
 
 
+@pytest.mark.parametrize("interrupted", [1, 2, 4], ids=["discovery", "profiling", "inference"])
+def test_a_forward_interrupted_by_ctrl_c_is_closed_by_the_next_one(interrupted: int) -> None:
+    """KeyboardInterrupt is not handed to PyTorch's always_call hooks: the next forward finds the step
+    unfinished and closes it, and everything after runs as if the interrupted forward had failed."""
+    tokens = spec_tokens()
+    ref = run_forwards(make_spec_model(), tokens, 1)[0]
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model))
+    engine = model._flextensor_engine
+    calls = [0]
+
+    def ctrl_c(module: nn.Module, args: tuple) -> None:
+        calls[0] += 1
+        if calls[0] == interrupted:
+            raise KeyboardInterrupt
+
+    handle = model.layers[1].register_forward_pre_hook(ctrl_c)
+    with torch.no_grad():
+        for forward in range(1, interrupted + 1):
+            if forward == interrupted:
+                with pytest.raises(KeyboardInterrupt):
+                    model(tokens)
+            else:
+                assert torch.equal(model(tokens), ref)
+    handle.remove()
+    assert engine._depth == 1  # what the interrupt left behind
+    assert_all_equal(run_forwards(model, tokens, 4), ref)
+    assert engine._depth == 0 and engine._owner_thread is None
+    assert torch._C._len_torch_function_stack() == 0  # discovery's read tracker was popped
+    assert flextensor.phase(model) == "inference"
+
+
+class CallsItself(nn.Module):
+    """A model whose forward calls the model again (the way some wrappers re-enter it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, again: bool = True) -> torch.Tensor:
+        if again:
+            x = self(x, again=False)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_model_that_calls_itself_is_one_step_not_an_interrupted_one() -> None:
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        ref = CallsItself()(x)
+    model = CallsItself()
+    model = flextensor.offload(model, streaming_config(model, ["layers.*"]))
+    engine = model._flextensor_engine
+    assert_all_equal(run_forwards(model, x, 4), ref)
+    assert engine.forwards == 4 and engine._depth == 0
+    assert flextensor.phase(model) == "inference"
+
+
 def test_out_of_order_units_load_on_demand_and_stay_right() -> None:
     x = torch.randn(3, 16)
     ref_model = Branchy()
@@ -861,9 +921,12 @@ def test_a_profiling_forward_out_of_memory_with_residents_held_profiles_again_st
         assert torch.equal(model(tokens[8]), refs[8])
 
 
+@pytest.mark.parametrize("error", [RuntimeError, torch.OutOfMemoryError])
 def test_a_plan_whose_layout_fails_profiles_again_and_retries_until_a_layout_lands(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, error: type[Exception]
 ) -> None:
+    # Out of memory also caps the next plan below the failed one, but never below the smallest plan:
+    # the smallest plan (all streamed, as on this CPU) is retried, not refused with a BudgetError.
     model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
     engine = model._flextensor_engine
     tokens = spec_tokens()
@@ -875,20 +938,21 @@ def test_a_plan_whose_layout_fails_profiles_again_and_retries_until_a_layout_lan
         if failures[0] and engine.phase is Phase.PROFILING:
             failures[0] -= 1
             engine._free_device_bytes(set())  # what a failure after the old layout was let go leaves
-            raise RuntimeError("injected")
+            raise error("injected")
         apply_layout(streamed, resident, arena_bytes)
 
     with torch.no_grad():
         assert torch.equal(model(tokens), ref)  # discovery
         monkeypatch.setattr(engine, "apply_layout", fails_half_way)
-        with pytest.raises(RuntimeError, match="injected"):
+        with pytest.raises(error, match="injected"):
             model(tokens)  # profiling: the forward ran, its plan's layout failed
         assert flextensor.phase(model) == "profiling" and engine.plan is None
-        with pytest.raises(RuntimeError, match="injected"):
+        with pytest.raises(error, match="injected"):
             model(tokens)  # laying out to profile again fails too: the next forward tries again
     assert_all_equal(run_forwards(model, tokens, 3), ref)
     assert flextensor.phase(model) == "inference"
     _assert_placement(engine, engine.plan.resident)
+    assert engine._failed_peak_bytes is None  # cleared once a layout landed
 
 
 def test_after_a_layout_ran_out_of_memory_the_next_plan_asks_for_less(

@@ -44,7 +44,7 @@ from .errors import BackwardNotSupportedError, ConcurrentForwardError, FlexTenso
 from .host_store import PackedParameter, UnitPack
 from .layout import UNIT_ALIGNMENT, align_up, minimal_arena_bytes, ring_layout
 from .measurements import LinkModel, Measurements
-from .planner import Plan, plan_offload
+from .planner import Plan, minimal_need_bytes, plan_offload
 from .profiling import StepProfiler, StepSample, combine_samples
 from .runtime import DeviceRuntime
 from .timeline import StepRecorder
@@ -448,6 +448,9 @@ class OffloadEngine:
                     "(use a lock) or offload one model per thread"
                 )
             self._owner_thread = me
+        if self._depth and self._model_calls_on_stack() == 1:
+            self._finish_interrupted_forward()
+            self._owner_thread = me
         self._depth += 1
         if self._depth > 1:
             return
@@ -476,27 +479,55 @@ class OffloadEngine:
         self._depth -= 1
         if self._depth > 0:
             return
-        self._owner_thread = None
         # PyTorch calls always_call hooks from inside its exception handler when forward raised.
-        failed = output is None and sys.exc_info()[0] is not None
+        self._end_forward(sys.exc_info()[0] if output is None else None)
+
+    def _end_forward(self, error: type[BaseException] | None) -> None:
+        """Close the step of the outermost forward: ``error`` is the type of what it raised, if it did."""
+        self._owner_thread = None
         self.forwards += 1
         if self._recorder is not None:
-            self._recorder.finish()
-            self.last_recording, self._recorder = self._recorder, None
+            if error is None:
+                self._recorder.finish()
+                self.last_recording = self._recorder
+            else:
+                self._record_next = True  # a partial step says nothing: record the next one
+            self._recorder = None
         self._active.clear()
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None
-            if not failed:  # a partial order would make a wrong plan: learn again next forward
+            if error is None:  # a partial order would make a wrong plan: learn again next forward
                 self._end_discovery_forward()
         elif self._profiler is not None:
             sample = self._profiler.end_step()
             self._profiler = None
-            if not failed:
+            if error is None:
                 self._end_profiling_forward(sample)
-            elif issubclass(sys.exc_info()[0], torch.OutOfMemoryError) and self._holds_resident_units():
+            elif issubclass(error, torch.OutOfMemoryError) and self._holds_resident_units():
                 # Units kept resident to profile a new shape left too little room for its activations.
                 self._profile_again_streaming_everything("a profiling forward ran out of device memory")
+
+    def _model_calls_on_stack(self) -> int:
+        """How many calls of the model run in this thread, this one included (a rare path: only when a
+        forward starts while another seems to run)."""
+        calls, frame = 0, sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is self.model:
+                calls += 1
+            frame = frame.f_back
+        return calls
+
+    def _finish_interrupted_forward(self) -> None:
+        """A forward left without its end: stopped by an exception PyTorch does not hand to always_call
+        hooks (KeyboardInterrupt, SystemExit). Close it as failed, so this forward starts clean."""
+        logger.warning("the previous forward was interrupted; closing it before this one runs")
+        self.runtime.synchronize()  # its kernels and copies may still be queued behind stale events
+        for guard in self._grad_guards.values():
+            guard.__exit__(None, None, None)
+        self._grad_guards.clear()
+        self._depth = 0
+        self._end_forward(KeyboardInterrupt)
 
     def _holds_resident_units(self) -> bool:
         return any(unit.resident for unit in self.units.values())
@@ -708,6 +739,7 @@ class OffloadEngine:
                 self._failed_peak_bytes = plan.predicted_peak_bytes
             self._profile_again_streaming_everything("the plan's layout failed")
             raise
+        self._failed_peak_bytes = None  # what failed was that layout, not this device for good
         self.measurements = measurements
         self.plan = plan
         self._plans[measurements.input_shapes] = _PlanState(measurements, plan)
@@ -732,7 +764,9 @@ class OffloadEngine:
         plan = plan_offload(measurements, self.budget_bytes)
         limit = self._memory_limit()
         if self._failed_peak_bytes is not None:
+            # Never below the smallest plan: that one is retried as it is rather than refused.
             shrunk = int(FAILED_LAYOUT_SHRINK * self._failed_peak_bytes)
+            shrunk = max(shrunk, minimal_need_bytes(measurements)[0])
             limit = shrunk if limit is None else min(limit, shrunk)
         if limit is not None and plan.predicted_peak_bytes > limit:
             logger.info("the plan would not fit the memory left; planning for %d bytes", limit)
