@@ -55,6 +55,10 @@ class NoCudaError(FlexTensorError, RuntimeError):
     """The probe was asked for on a machine (or a torch build) without a CUDA device."""
 
 
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
 @dataclass(frozen=True)
 class CopyMeasurement:
     """One copy size in one direction from one kind of host memory. ``seconds``: median per copy."""
@@ -67,7 +71,7 @@ class CopyMeasurement:
     @property
     def gbps(self) -> float:
         """Speed in GB/s (10^9 bytes per second)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+        return _gbps(self.nbytes, self.seconds)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class PinMeasurement:
     @property
     def gbps(self) -> float:
         """Bytes pinned per second, in GB/s."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+        return _gbps(self.nbytes, self.seconds)
 
 
 @dataclass(frozen=True)
