@@ -14,14 +14,9 @@ import torch
 from torch import nn
 
 import flextensor
-from flextensor.engine import (
-    OffloadEngine,
-    Phase,
-    UnitState,
-    _input_shapes,
-    provisional_arena_bytes,
-    residents_within,
-)
+from flextensor.layout import provisional_arena_bytes
+from flextensor.plan_policy import input_signature
+from flextensor.planner import residents_within
 from flextensor.errors import (
     AlreadyOffloadedError,
     BackwardNotSupportedError,
@@ -104,7 +99,7 @@ def test_spec_examples_match_resident_model(name: str) -> None:
     assert flextensor.offloaded_parameters(model)
     assert_all_equal(run_forwards(model, spec_tokens()), ref)
     assert flextensor.phase(model) == "inference"
-    assert model._flextensor_engine.plan.streamed  # the streaming path ran, not an all-resident plan
+    assert flextensor.status(model).plan.streamed  # the streaming path ran, not an all-resident plan
 
 
 def test_fqcn_class_pattern_keeps_user_linear_streamed() -> None:
@@ -197,7 +192,7 @@ def test_llama_under_inference_mode_autocast_and_grad() -> None:
     model = tiny_llama()
     model = flextensor.offload(model, streaming_config(model, ["model.layers.*"]))
     run_forwards(model, inputs, 3)
-    assert model._flextensor_engine.plan.streamed
+    assert flextensor.status(model).plan.streamed
     with torch.inference_mode():
         assert torch.equal(model(inputs).logits, base(inputs).logits)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -223,7 +218,7 @@ def test_wan_include_everything_bitwise() -> None:
     model = tiny_wan()
     model = flextensor.offload(model, streaming_config(model))
     assert_all_equal(run_forwards(model, inputs), ref)
-    assert model._flextensor_engine.plan.streamed
+    assert flextensor.status(model).plan.streamed
 
 
 def test_new_input_shape_in_steady_state_replans_and_stays_right() -> None:
@@ -348,7 +343,7 @@ def test_out_of_order_units_load_on_demand_and_stay_right() -> None:
     model = Branchy()
     model = flextensor.offload(model, streaming_config(model))
     run_forwards(model, x, 3)
-    assert len(model._flextensor_engine.plan.streamed) == 5
+    assert len(flextensor.status(model).plan.streamed) == 5
     with torch.no_grad():
         for flip in (True, False, True, True, False):
             assert torch.equal(model(x, flip=flip), ref_model(x, flip=flip))
@@ -636,7 +631,7 @@ def _offload_with_placements(
     engine = model._flextensor_engine
     assert len(engine._plans) == len(placements)
     for seq, resident in placements.items():
-        state = engine._plans[_input_shapes((tokens[seq],), {})]
+        state = engine._plans[input_signature((tokens[seq],), {})]
         streamed = tuple(u for u in state.measurements.unit_names() if u not in resident)
         sizes = [engine.units[u].nbytes for u in streamed]
         arena = max(state.plan.arena_bytes, provisional_arena_bytes(sizes)) if streamed else 0
@@ -835,7 +830,7 @@ def test_only_units_resident_in_every_plan_drop_their_pack_and_a_plan_streaming_
     _assert_packs_hold_the_weights(engine, {"layers.0", "layers.3"})
 
     # A plan for 8 that streams layers.1: its pack is built again from its storage, exactly.
-    state = engine._plans[_input_shapes((tokens[8],), {})]
+    state = engine._plans[input_signature((tokens[8],), {})]
     resident = ("embed", "layers.0", "lm_head")
     streamed = tuple(u for u in state.measurements.unit_names() if u not in resident)
     arena = max(state.plan.arena_bytes, provisional_arena_bytes([engine.units[u].nbytes for u in streamed]))
@@ -872,7 +867,7 @@ def test_new_shape_profiles_with_resident_units_in_place(monkeypatch: pytest.Mon
 
     assert_all_equal(run_forwards(model, longer, 2), ref)
     assert flextensor.phase(model) == "inference"
-    state = engine._plans[_input_shapes((longer,), {})]
+    state = engine._plans[input_signature((longer,), {})]
     assert engine.plan is state.plan and engine.measurements is state.measurements
     # Resident units were profiled too: every unit is measured, in execution order.
     assert list(state.measurements.unit_names()) == engine.order == flextensor.offload_units(model)

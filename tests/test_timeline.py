@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flextensor.runtime import DeviceRuntime
+from flextensor.device import DeviceRuntime
 from flextensor.timeline import StepRecorder
 
 

@@ -3,6 +3,11 @@
 Selected weights live in pinned host RAM and stream to the GPU just before the module that reads them
 runs, prefetched on a side stream so the copies hide under compute. Importing this package does not
 touch CUDA.
+
+The data path, one module each: ``selection`` (patterns -> offload units), ``packing`` (units -> host
+packs, ``host_store`` / ``shared_store``), ``discovery`` and ``profiling`` (the first forwards),
+``planner`` with ``simulator`` and ``layout`` (measurements -> ``plan``), ``slots`` and ``steady`` (the
+device store and the steady-state hot path), ``engine`` (the phases), ``reporting`` / ``tracing``.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from .api import (
     release,
     resident_parameters,
     save_profile,
+    status,
 )
-from .config import OffloadConfig, load_config
+from .config import OffloadConfig
+from .config_sources import load_config
 from .errors import (
     AlreadyOffloadedError,
     BackwardNotSupportedError,
@@ -25,12 +32,19 @@ from .errors import (
     ConcurrentForwardError,
     ConfigError,
     FlexTensorError,
+    NoCudaError,
     NotOffloadedError,
+    PinningError,
+    PlanError,
     ProfileError,
     SelectionError,
+    SharedMemoryError,
+    UnsupportedModelError,
+    UnsupportedOperationError,
 )
 from .log import configure_logging
 from .reporting import report
+from .status import OffloadStatus, UnitStatus
 from .tracing import trace
 
 __version__ = "0.1.0"
@@ -44,10 +58,18 @@ __all__ = [
     "ConcurrentForwardError",
     "ConfigError",
     "FlexTensorError",
+    "NoCudaError",
     "NotOffloadedError",
     "OffloadConfig",
+    "OffloadStatus",
+    "PinningError",
+    "PlanError",
     "ProfileError",
     "SelectionError",
+    "SharedMemoryError",
+    "UnitStatus",
+    "UnsupportedModelError",
+    "UnsupportedOperationError",
     "__version__",
     "load_config",
     "offload",
@@ -59,5 +81,6 @@ __all__ = [
     "report",
     "resident_parameters",
     "save_profile",
+    "status",
     "trace",
 ]

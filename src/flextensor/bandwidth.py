@@ -10,8 +10,8 @@ import statistics
 
 import torch
 
+from .device import DeviceRuntime
 from .measurements import LinkModel
-from .runtime import DeviceRuntime
 
 PROBE_REPEATS = 3
 """Copies per size; the median discards the first copy's one-off costs."""
@@ -41,17 +41,21 @@ def probe_link(runtime: DeviceRuntime, source: torch.Tensor, destination: torch.
         return _cache[key]
     points = []
     stream = runtime.copy_stream
-    for size in sizes:
-        times = []
-        for _ in range(PROBE_REPEATS):
-            start, end = runtime.event(timing=True), runtime.event(timing=True)
-            with runtime.on_copy_stream():
+    previous = runtime.current_stream()
+    runtime.set_stream(stream)
+    try:
+        for size in sizes:
+            times = []
+            for _ in range(PROBE_REPEATS):
+                start, end = runtime.event(timing=True), runtime.event(timing=True)
                 start.record(stream)
                 destination[:size].copy_(source[:size], non_blocking=True)
                 end.record(stream)
-            end.synchronize()
-            times.append(max(start.elapsed_time(end) / 1000.0, 1e-9))
-        points.append((size, size / statistics.median(times)))
+                end.synchronize()
+                times.append(max(start.elapsed_time(end) / 1000.0, 1e-9))
+            points.append((size, size / statistics.median(times)))
+    finally:
+        runtime.set_stream(previous)
     link = LinkModel(points=tuple(points))
     _cache[key] = link
     return link

@@ -18,15 +18,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .config import format_bytes, parse_bytes
 from .errors import BudgetError, ConfigError, FlexTensorError
+from .sizes import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from .measurements import Measurements
-    from .planner import Plan
-    from .profile import Profile
+    from .plan import Plan
+    from .profile_file import Profile
 
 __all__ = ["build_parser", "main"]
 
@@ -89,7 +89,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 def _cmd_profile_show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .profile import load_profile_file
+    from .profile_file import load_profile_file
 
     profile = load_profile_file(args.path)
     console = _console()
@@ -208,7 +208,7 @@ def _measurement_summary(measurements: Measurements) -> Any:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .planner import plan_offload
-    from .profile import load_profile_file
+    from .profile_file import load_profile_file
 
     budgets = parse_budget(args.budget, args.steps)
     profile = load_profile_file(args.path)

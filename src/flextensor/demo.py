@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .config import OffloadConfig, format_bytes, parse_bytes
+from .config import OffloadConfig
+from .device import resolve_device
+from .sizes import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -209,13 +211,13 @@ def run_demo(
     """
     import flextensor
 
-    from .api import _engine
+    from .api import engine_of
 
     if steps < 1:
         raise flextensor.ConfigError(f"steps must be at least 1, got {steps}")
     budget_bytes = None if budget is None else parse_bytes(budget)
     # Resolve (and check) the device the way offload() will.
-    dev = OffloadConfig(device=device).resolved_device()
+    dev = resolve_device(OffloadConfig(device=device).device)
     defaults = CUDA_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     layers = defaults["layers"] if layers is None else layers
     hidden = defaults["hidden"] if hidden is None else hidden
@@ -265,9 +267,9 @@ def run_demo(
             del out
         offloaded_peak = torch.cuda.max_memory_allocated(dev) if cuda else None
 
-    engine = _engine(model)
+    engine = engine_of(model)
     resident = set(flextensor.resident_parameters(model))
-    offloaded_weights = engine.device_bytes_held() + _parameter_bytes(model, resident)
+    offloaded_weights = engine.store.device_bytes_held() + _parameter_bytes(model, resident)
     native_step = statistics.median(native_times)
     offloaded_step = statistics.median(offloaded_times)
     result = {
@@ -287,7 +289,7 @@ def run_demo(
         "bitwise_equal": agreement.equal,
         "max_abs_diff": agreement.max_abs_diff,
         "budget_bytes": budget_bytes,
-        "plan": engine.plan,
+        "plan": engine.status().plan,
         "report": flextensor.report(model),
     }
     # Give the device memory and pinned host memory back now rather than at the next GC cycle.

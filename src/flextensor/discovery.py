@@ -1,18 +1,37 @@
-"""Discovery: which weights are read outside the forward of the unit that owns them.
+"""Discovery: the first forward(s) learn the execution order and what must never stream.
 
-During discovery forwards a TorchFunctionMode sees every torch call. When an argument is a streamed
-parameter whose unit is not running (a parent reading a child's weight, a weight passed to a functional
-call elsewhere), the engine makes that parameter resident before the call runs, so the call reads the
-right values and steady state never streams it. Costs nothing outside discovery.
+The driver (:class:`DiscoveryStep`) loads each unit on demand before it runs and records:
+
+* the order in which units first run;
+* units that must stay resident, and why: one running inside another unit's forward (a prefetch issued
+  after it would overwrite ranges the outer unit still reads), one whose output views its own weights
+  (later copies would overwrite that output), one that writes its own weights (a counter or running
+  statistic held as a parameter: the next reload would lose the update);
+* weights read outside their unit's forward, through :class:`OutsideReadTracker`: a TorchFunctionMode that
+  sees every torch call, so the engine makes such a parameter resident before the call reads it.
+
+It returns a :class:`DiscoveryResult`; the engine decides what to do with it. Costs nothing after
+discovery.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .slots import DeviceStore, holds_weights
+from .timeline import StepRecorder
+from .units import Unit
+
+__all__ = ["DiscoveryResult", "DiscoveryStep", "OutsideReadTracker", "clone_tensors", "views_storage"]
+
+MAX_NESTING = 8
+"""Depth to which a unit's output (tuples, lists, dicts of tensors) is searched for views of its weights:
+deeper structures are not outputs of real modules, and a bound keeps a cyclic structure from hanging us."""
 
 
 def _tensors_in(values: Iterable[Any]) -> Iterable[torch.Tensor]:
@@ -28,8 +47,8 @@ class OutsideReadTracker(TorchFunctionMode):
 
     def __init__(
         self,
-        owner_of: dict[int, str],
-        active_units: set[str],
+        owner_of: dict[int, Unit],
+        active_units: set[Unit],
         on_outside_read: Callable[[int, Any], None],
     ) -> None:
         super().__init__()
@@ -44,3 +63,125 @@ class OutsideReadTracker(TorchFunctionMode):
             if owner is not None and owner not in self._active:
                 self._on_outside_read(id(tensor), func)
         return func(*args, **kwargs)
+
+
+def views_storage(output: Any, storage_pointer: int, device: torch.device, depth: int = 0) -> bool:
+    """Whether ``output`` (a tensor, or tuples/lists/dicts of them, nested) views the storage at
+    ``storage_pointer`` on ``device``."""
+    if depth > MAX_NESTING:
+        return False
+    if isinstance(output, torch.Tensor):
+        if output.device != device:
+            return False
+        try:
+            return output.untyped_storage().data_ptr() == storage_pointer
+        except (RuntimeError, NotImplementedError):
+            return False  # tensors without a plain storage cannot view the arena
+    if isinstance(output, dict):  # transformers' ModelOutput is a dict too
+        values: Iterable[Any] = output.values()
+    elif isinstance(output, (tuple, list)):
+        values = output
+    else:
+        return False
+    return any(views_storage(value, storage_pointer, device, depth + 1) for value in values)
+
+
+def clone_tensors(output: Any, depth: int = 0) -> Any:
+    """``output`` with every tensor in it cloned, nested tuples, lists and dicts rebuilt around them."""
+    if depth > MAX_NESTING:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if isinstance(output, dict):
+        copy = output.copy()  # keeps the class of a ModelOutput
+        for key, value in output.items():
+            copy[key] = clone_tensors(value, depth + 1)
+        return copy
+    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
+        return type(output)(*(clone_tensors(v, depth + 1) for v in output))
+    if isinstance(output, (tuple, list)):
+        return type(output)(clone_tensors(v, depth + 1) for v in output)
+    return output
+
+
+@dataclass
+class DiscoveryResult:
+    """What one discovery forward learned: ``order`` of first runs, and units that must stay resident."""
+
+    order: list[Unit] = field(default_factory=list)
+    must_stay_resident: dict[Unit, str] = field(default_factory=dict)
+
+
+class DiscoveryStep:
+    """The unit hooks' driver during a discovery forward."""
+
+    def __init__(
+        self,
+        store: DeviceStore,
+        owner_of: dict[int, Unit],
+        on_outside_read: Callable[[int, Any], None],
+        recorder: StepRecorder,
+    ) -> None:
+        self.store = store
+        self.result = DiscoveryResult()
+        self.recorder = recorder  # times the forward too: one more sample for the planner's measurements
+        self._seen: set[Unit] = set()
+        self._active: set[Unit] = set()
+        self._versions: dict[Unit, tuple[int, ...]] = {}
+        self._compute: Any = None
+        self._tracker = OutsideReadTracker(owner_of, self._active, on_outside_read)
+
+    def begin(self) -> None:
+        self._compute = self.store.runtime.current_stream()
+        self.recorder.begin()
+        self._tracker.__enter__()
+
+    def end(self, error: type[BaseException] | None) -> DiscoveryResult | None:
+        """Close the forward; its result, or None when it raised (a partial order would mis-plan)."""
+        self._tracker.__exit__(None, None, None)
+        self._active.clear()
+        if error is not None:
+            return None
+        self.recorder.finish()
+        return self.result
+
+    def pre(self, unit: Unit) -> None:
+        result = self.result
+        if unit not in self._seen:
+            self._seen.add(unit)
+            result.order.append(unit)
+        if self._active - {unit}:
+            outer = next(iter(self._active - {unit}))
+            result.must_stay_resident.setdefault(unit, f"it runs inside unit {outer.name!r}")
+        self._active.add(unit)
+        self.recorder.wait_start(unit.name, unit.resident, unit.nbytes)
+        if not unit.resident:
+            if not holds_weights(unit, self.store.owner):
+                self.store.load_on_demand(unit, self._compute)
+            self._compute.wait_event(unit.copy_done)
+        self._versions[unit] = tuple(param._version for _, param, _ in unit.parameters)
+        self.recorder.compute_start(unit.name)
+
+    def post(self, unit: Unit, output: Any) -> Any:
+        self.recorder.compute_end(unit.name)
+        replaced = None
+        if not unit.resident:
+            if self._wrote_own_weights(unit):
+                self.result.must_stay_resident.setdefault(unit, "its forward writes its own weights")
+            arena = self.store.arena
+            if arena is not None and views_storage(
+                output, arena.untyped_storage().data_ptr(), self.store.runtime.device
+            ):
+                self.result.must_stay_resident.setdefault(unit, "its output is a view of its weights")
+                # Later copies would overwrite what this output views: hand the caller a copy, taken
+                # before compute_done is recorded so that those copies wait for it.
+                replaced = clone_tensors(output)
+            unit.compute_done.record(self._compute)
+        self._active.discard(unit)
+        return replaced
+
+    def _wrote_own_weights(self, unit: Unit) -> bool:
+        """Whether an in-place write reached one of the unit's parameters during its forward (each
+        parameter has a version counter of its own; copies into the arena do not touch it)."""
+        before = self._versions.pop(unit, None)
+        return before is not None and before != tuple(param._version for _, param, _ in unit.parameters)

@@ -1,14 +1,23 @@
 """The exceptions flextensor raises.
 
-    FlexTensorError                 base of everything below; catch this to catch them all
-    ├── ConfigError (ValueError)    a bad config field, pattern, environment variable or YAML key
-    ├── SelectionError (ValueError) the patterns select nothing, or select something unusable
-    ├── AlreadyOffloadedError       offload() on a model that is already offloaded
-    ├── NotOffloadedError           an introspection call or release() on a model that is not offloaded
-    ├── BudgetError                 the memory budget cannot hold what this model needs at this input
-    ├── ProfileError (ValueError)   a saved profile is unreadable, of another version, or of another model
-    ├── ConcurrentForwardError      a forward entered from a second thread while one runs
-    └── BackwardNotSupportedError   a backward pass reached weights that were streamed for inference
+    FlexTensorError                       base of everything below; catch this to catch them all
+    ├── ConfigError (ValueError)          a bad config field, pattern, environment variable or YAML key
+    ├── SelectionError (ValueError)       the patterns select nothing, or select something unusable
+    ├── UnsupportedModelError (TypeError) the object cannot be offloaded as it is (not a module, sparse or
+    │                                     meta weights, another offloader's hooks, a submodule of an
+    │                                     offloaded model)
+    ├── AlreadyOffloadedError             offload() on a model that is already offloaded
+    ├── NotOffloadedError                 an introspection call or release() on a model that is not offloaded
+    ├── UnsupportedOperationError         something done to an offloaded model that would detach or corrupt
+    │                                     its weights (a dtype conversion, load_state_dict, jit.trace, pickle)
+    ├── BudgetError                       the memory budget cannot hold what this model needs at this input
+    ├── PlanError (ValueError)            a plan, layout or measurement that is inconsistent in itself
+    ├── ProfileError (ValueError)         a saved profile is unreadable, of another version or model
+    ├── PinningError                      the OS refused to page-lock host memory (memlock limit)
+    ├── SharedMemoryError                 the node-wide shared host copy cannot be created or attached
+    ├── ConcurrentForwardError            a forward entered from a second thread while one runs
+    ├── BackwardNotSupportedError         a backward pass reached weights that were streamed for inference
+    └── NoCudaError                       a CUDA-only command (``flextensor probe``) without a CUDA device
 
 Each message names the object at fault, the constraint and what to do.
 """
@@ -28,6 +37,10 @@ class SelectionError(FlexTensorError, ValueError):
     """The include/exclude patterns select nothing usable in this model."""
 
 
+class UnsupportedModelError(FlexTensorError, TypeError):
+    """The object given cannot be offloaded as it is; the message says what to change first."""
+
+
 class AlreadyOffloadedError(FlexTensorError, RuntimeError):
     """offload() was called on a model that flextensor already manages."""
 
@@ -36,12 +49,28 @@ class NotOffloadedError(FlexTensorError, RuntimeError):
     """The model passed is not managed by flextensor."""
 
 
+class UnsupportedOperationError(FlexTensorError, RuntimeError):
+    """An operation on an offloaded model that would detach its weights from flextensor's buffers."""
+
+
 class BudgetError(FlexTensorError, RuntimeError):
     """The GPU memory budget is below what the model needs at this input."""
 
 
+class PlanError(FlexTensorError, ValueError):
+    """A plan, layout or set of measurements contradicts itself (a flextensor bug or a hand edit)."""
+
+
 class ProfileError(FlexTensorError, ValueError):
     """A saved profile cannot be used: unreadable, another version, or another model."""
+
+
+class PinningError(FlexTensorError, RuntimeError):
+    """Host memory could not be page-locked (``cudaHostRegister`` refused it)."""
+
+
+class SharedMemoryError(FlexTensorError, RuntimeError):
+    """The shared host copy of the weights cannot be created, attached or waited for."""
 
 
 class ConcurrentForwardError(FlexTensorError, RuntimeError):
@@ -50,3 +79,7 @@ class ConcurrentForwardError(FlexTensorError, RuntimeError):
 
 class BackwardNotSupportedError(FlexTensorError, RuntimeError):
     """Backward through streamed weights: flextensor streams weights for inference only."""
+
+
+class NoCudaError(FlexTensorError, RuntimeError):
+    """A command that needs a CUDA device ran without one."""

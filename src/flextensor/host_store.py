@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from .errors import FlexTensorError
-from .layout import align_up
+from .errors import PinningError, UnsupportedModelError
+from .sizes import align_up
 
 logger = logging.getLogger("flextensor")
 
@@ -38,17 +38,51 @@ PAGE = mmap.PAGESIZE
 
 @dataclass(frozen=True)
 class PackedParameter:
-    """Where one parameter sits inside its unit's pack."""
+    """Where one parameter sits inside its unit's pack, and the strides it is viewed with.
+
+    ``stride`` is None for a contiguous parameter. A dense parameter laid out in another order (a
+    transposed checkpoint) keeps its strides: its bytes are packed in its own memory order, so kernels see
+    the same layout as before and outputs stay bitwise.
+    """
 
     name: str
     offset: int
     nbytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    stride: tuple[int, ...] | None = None
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         """This parameter as a tensor over ``buffer`` (a unit-sized uint8 tensor, host or device)."""
-        return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+        return self.shaped(buffer[self.offset : self.offset + self.nbytes].view(self.dtype))
+
+    def shaped(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (this parameter's elements, in memory order) with its shape and strides."""
+        if self.stride is None:
+            return flat.view(self.shape)
+        return flat.as_strided(self.shape, self.stride)
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+
+def kept_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides a packed copy of ``tensor`` keeps: None when it is contiguous or cannot keep them
+    (a view with gaps, which is packed contiguous), else its own."""
+    if tensor.is_contiguous() or not _dense(tensor):
+        return None
+    return tuple(tensor.stride())
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill one block of memory with no gaps or overlaps, in some order."""
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=tensor.stride):
+        if tensor.size(dim) != 1 and tensor.stride(dim) != expected:
+            return False
+        expected *= tensor.size(dim)
+    return True
 
 
 def pack_layout(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[tuple[PackedParameter, ...], int]:
@@ -57,7 +91,8 @@ def pack_layout(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[tuple[Packed
     offset = 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
-        entries.append(PackedParameter(name, offset, nbytes, tuple(tensor.shape), tensor.dtype))
+        shape = tuple(tensor.shape)
+        entries.append(PackedParameter(name, offset, nbytes, shape, tensor.dtype, kept_strides(tensor)))
         offset = align_up(offset + nbytes, PARAMETER_ALIGNMENT)
     return tuple(entries), offset
 
@@ -66,7 +101,7 @@ def page_lock(buffer: torch.Tensor, nbytes: int, what: str) -> None:
     """Page-lock ``nbytes`` of host memory from ``buffer``'s first byte with ``cudaHostRegister``."""
     err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
     if int(err) != 0:
-        raise FlexTensorError(
+        raise PinningError(
             f"could not page-lock {nbytes} bytes of host memory for {what} "
             f"(cudaHostRegister error {int(err)}); raise the memlock limit (ulimit -l) or pass "
             "OffloadConfig(pinned_memory=False)"
@@ -90,6 +125,11 @@ class PackOwner(Protocol):
         """One pack over this memory has been freed; the owner lets go once all have."""
         ...
 
+    def standalone(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements at byte ``offset`` of this memory as a tensor with a storage of its own,
+        whose writes never reach the memory other processes read (copy on write)."""
+        ...
+
 
 class UnitPack:
     """One unit's parameters in one host buffer (pinned when the device is CUDA).
@@ -104,6 +144,7 @@ class UnitPack:
         self.nbytes = nbytes
         self.pinned = False
         self._owner: PackOwner | None = None
+        self._owner_offset = 0
         mapped = align_up(max(nbytes, 1), PAGE)
         self._mmap: mmap.mmap | None = mmap.mmap(-1, mapped)
         self._held = mapped
@@ -126,6 +167,7 @@ class UnitPack:
         pack.nbytes = buffer.numel()
         pack.pinned = owner.pinned
         pack._owner = owner
+        pack._owner_offset = buffer.storage_offset()
         pack._mmap = None
         pack._held = align_up(max(pack.nbytes, 1), PAGE)
         pack.buffer = buffer
@@ -143,6 +185,20 @@ class UnitPack:
 
     def view(self, entry: PackedParameter) -> torch.Tensor:
         return entry.view(self.buffer)
+
+    def standalone_view(self, entry: PackedParameter) -> torch.Tensor:
+        """``entry``'s weights as a tensor with a storage of its own, without a copy: what state_dict()
+        hands out (torch.save and safetensors refuse one storage viewed as several dtypes). For a pack
+        shared between processes the view is copy-on-write: writing to it changes this process's tensor
+        only, never the weights other processes read."""
+        if entry.numel == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        if self._owner is not None:
+            flat = self._owner.standalone(self._owner_offset + entry.offset, entry.numel, entry.dtype)
+        else:
+            assert self._mmap is not None, f"the pack of unit {self.unit!r} was freed"
+            flat = torch.frombuffer(self._mmap, dtype=entry.dtype, count=entry.numel, offset=entry.offset)
+        return entry.shaped(flat)
 
     def free(self) -> None:
         """Unpin and let go of the buffer.
@@ -175,7 +231,7 @@ def check_not_meta(named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
     """Raise if a parameter to be packed has no data (built under ``torch.device("meta")``)."""
     for name, param in named:
         if param.device.type == "meta":
-            raise FlexTensorError(
+            raise UnsupportedModelError(
                 f"parameter {name!r} is on the meta device and holds no data; load the weights "
                 "(e.g. load_state_dict(..., assign=True)) before offload()"
             )

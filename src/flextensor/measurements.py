@@ -1,15 +1,21 @@
 """What the engine measures about a model on a machine: the planner's and the simulator's inputs.
 
-Pure data: no torch. Times are seconds of device time, sizes are bytes. Saved in profiles as JSON.
+Pure data: no torch. Times are seconds of device time, sizes are bytes. Saved in profiles as JSON
+(``@record``: see json_codec.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .errors import PlanError
+from .json_codec import Bytes, BytesPerSecond, Seconds, record
 
+
+@record
 @dataclass(frozen=True)
 class UnitMeasurement:
     """One offload unit, as measured in a profiling forward.
@@ -22,12 +28,13 @@ class UnitMeasurement:
     """
 
     name: str
-    nbytes: int
-    compute_s: float
-    gap_before_s: float = 0.0
-    activation_bytes: int = 0
+    nbytes: Bytes
+    compute_s: Seconds
+    gap_before_s: Seconds = 0.0
+    activation_bytes: Bytes = 0
 
 
+@record
 @dataclass(frozen=True)
 class LinkModel:
     """Host-to-device copy speed as a function of copy size, from a probe.
@@ -36,14 +43,14 @@ class LinkModel:
     interpolated linearly in log-size, outside them it is clamped. ``latency_s`` is a fixed cost per copy.
     """
 
-    points: tuple[tuple[int, float], ...]
-    latency_s: float = 0.0
+    points: tuple[tuple[Bytes, BytesPerSecond], ...]
+    latency_s: Seconds = 0.0
 
     def __post_init__(self) -> None:
         if not self.points:
-            raise ValueError("a LinkModel needs at least one (bytes, bytes_per_second) point")
+            raise PlanError("a LinkModel needs at least one (bytes, bytes_per_second) point")
         if any(bps <= 0 or size <= 0 for size, bps in self.points):
-            raise ValueError(f"link points must be positive, got {self.points}")
+            raise PlanError(f"link points must be positive, got {self.points}")
         object.__setattr__(self, "points", tuple(sorted(self.points)))
 
     @classmethod
@@ -58,8 +65,6 @@ class LinkModel:
         if i >= len(self.points):
             return self.points[-1][1]
         (s0, b0), (s1, b1) = self.points[i - 1], self.points[i]
-        import math
-
         w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
         return b0 + w * (b1 - b0)
 
@@ -69,6 +74,7 @@ class LinkModel:
         return self.latency_s + nbytes / self.bytes_per_s(nbytes)
 
 
+@record
 @dataclass(frozen=True)
 class Measurements:
     """Everything the planner needs, measured on this machine for this model and input.
@@ -83,9 +89,9 @@ class Measurements:
 
     units: tuple[UnitMeasurement, ...]
     link: LinkModel
-    tail_s: float = 0.0
-    baseline_bytes: int = 0
-    activation_peak_bytes: int = 0
+    tail_s: Seconds = 0.0
+    baseline_bytes: Bytes = 0
+    activation_peak_bytes: Bytes = 0
     input_shapes: tuple[str, ...] = field(default_factory=tuple)
 
     @property

@@ -1,7 +1,8 @@
 """Measurements + budget -> Plan: which units stay resident, how big the streaming arena is.
 
 Pure: no torch. The planner searches configurations (resident set, arena size) and scores each with the
-simulator (see [Note: what the simulator models] in simulator.py); the Plan type is the engine's contract.
+simulator (see [Note: what the simulator models] in simulator.py); the Plan type (plan.py) is the
+engine's contract.
 
 [Note: planner search]
 A configuration is a set of resident units plus an arena multiplier ``k``: the arena holds ``k`` of the
@@ -12,7 +13,7 @@ bytes, and nothing for the engine to stream.
 With a budget, for each multiplier in a fixed ladder (2, 3, 4, 6, 9, ... up to all-fit) two greedy paths
 start from "everything streamed" and make units resident one move at a time: one path takes the move
 with the best step-time gain per byte added, the other the cheapest move that gains anything (it fills
-tight budgets that the first path's big moves overshoot). The simulator's gain estimate (see ``_run``'s
+tight budgets that the first path's big moves overshoot). The simulator's gain estimate (see ``run_streams``'
 ``want_gain``) ranks the moves; equal estimates go to the unit most crowded by streamed neighbours, which
 spreads the streamed units so every copy has compute to hide under. The best ``RESIDENT_TRIALS`` moves
 are simulated and the path takes the best of them by simulated gain: the estimate cannot see a move
@@ -41,31 +42,11 @@ import itertools
 from dataclasses import dataclass
 
 from .errors import BudgetError
-from .layout import UNIT_ALIGNMENT, RingLayout, align_up, ring_layout
+from .layout import UNIT_ALIGNMENT, prefetch_lists, ready_after_for
 from .measurements import Measurements
-from .simulator import DEFAULT_STEPS, _prefetch_lists, _ring_ready_after, _run, simulate
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Where every offload unit's weights live in steady state.
-
-    ``resident``: units whose weights are copied to the device once and stay, in execution order.
-    ``streamed``: units streamed through the arena, in execution order.
-    ``arena_bytes``: size of the device arena the streamed units share (see [Note: ring layout]).
-    ``predicted_step_s`` / ``predicted_peak_bytes``: the simulator's prediction for this plan.
-    """
-
-    resident: tuple[str, ...]
-    streamed: tuple[str, ...]
-    arena_bytes: int
-    predicted_step_s: float = 0.0
-    predicted_peak_bytes: int = 0
-    budget_bytes: int | None = None
-
-    def layout(self, sizes: dict[str, int]) -> RingLayout:
-        return ring_layout(self.streamed, [sizes[u] for u in self.streamed], self.arena_bytes)
-
+from .plan import Plan
+from .simulator import DEFAULT_STEPS, run_streams, simulate
+from .sizes import align_up, format_bytes
 
 DOUBLE_BUFFER = 2
 """Smallest arena, in largest streamed units: one unit computes while the next is copied in. Less would
@@ -95,11 +76,6 @@ different orders differ by rounding, not by anything real."""
 def _rounded(x: float) -> float:
     """``x`` to 9 significant digits, so that rounding noise does not break ties in rankings."""
     return float(f"{x:.9g}")
-
-
-def _format_bytes(nbytes: int) -> str:
-    """``5.30 GiB``: budgets and model sizes are GiB-scale, and one unit keeps a message comparable."""
-    return f"{nbytes / 2**30:.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -156,18 +132,18 @@ class _Search:
         if hit is not None:
             return hit
         order = [i for i in range(len(self.names)) if i not in resident]
-        ready_after = _ring_ready_after([self.nbytes[i] for i in order], arena)
+        ready_after = ready_after_for([self.nbytes[i] for i in order], arena)
         position = [-1] * len(self.names)
         for k, i in enumerate(order):
             position[i] = k
-        trace = _run(
+        trace = run_streams(
             self.compute,
             self.gaps,
             self.measurements.tail_s,
             position,
             [self.copy_s[i] for i in order],
             ready_after,
-            _prefetch_lists(ready_after),
+            prefetch_lists(ready_after),
             steps=DEFAULT_STEPS,
             cyclic=True,
             want_gain=True,
@@ -320,7 +296,7 @@ def _search_budget(search: _Search, budget: int) -> _Config:
                     best = option
             config = min(options, key=lambda o, c=config: _score(c, o, cheapest))
     if best is None:  # cannot happen once the minimal configuration fits; kept for a clear failure
-        raise BudgetError(f"no configuration fits the budget of {_format_bytes(budget)}")
+        raise BudgetError(f"no configuration fits the budget of {format_bytes(budget)}")
     return best
 
 
@@ -361,14 +337,14 @@ def plan_offload(measurements: Measurements, budget_bytes: int | None = None) ->
     """
     need, in_flight = minimal_need_bytes(measurements)
     if budget_bytes is not None and budget_bytes < need:
-        short, needed = _format_bytes(budget_bytes), _format_bytes(need)
+        short, needed = format_bytes(budget_bytes), format_bytes(need)
         if short == needed:  # a few bytes short: without the bytes it would read "5.30 below 5.30"
             short, needed = f"{short} ({budget_bytes} bytes)", f"{needed} ({need} bytes)"
         raise BudgetError(
             f"budget {short} is below the {needed} this model needs at this input: activations "
-            f"{_format_bytes(measurements.activation_peak_bytes)}, the two largest units in flight "
-            f"{_format_bytes(in_flight)}, weights that never stream "
-            f"{_format_bytes(measurements.baseline_bytes)}; raise the budget or offload more modules"
+            f"{format_bytes(measurements.activation_peak_bytes)}, the two largest units in flight "
+            f"{format_bytes(in_flight)}, weights that never stream "
+            f"{format_bytes(measurements.baseline_bytes)}; raise the budget or offload more modules"
         )
     search = _Search(measurements)
     if not measurements.units:
@@ -393,3 +369,34 @@ def plan_offload(measurements: Measurements, budget_bytes: int | None = None) ->
         predicted_peak_bytes=prediction.peak_bytes,
         budget_bytes=budget_bytes,
     )
+
+
+def residents_within(
+    resident: dict[str, int], streamed: list[int], room: int, arena_floor: int = 0
+) -> set[str]:
+    """Which of the ``resident`` units (name -> bytes) to keep so that they and the provisional arena of
+    the rest (``streamed`` sizes plus the units not kept; at least ``arena_floor`` bytes) fit ``room``.
+
+    Greedy: each step streams the unit whose move saves the most bytes (moving a unit larger than every
+    streamed one grows the arena too), until the layout fits or no move saves anything; a layout that
+    still does not fit gives way to streaming everything if that holds less.
+    """
+    kept = {name: align_up(nbytes, UNIT_ALIGNMENT) for name, nbytes in resident.items()}
+    padded = [align_up(s, UNIT_ALIGNMENT) for s in streamed]
+    total, largest = sum(padded), max(padded, default=0)
+
+    def held(kept_bytes: int, total: int, largest: int) -> int:
+        return kept_bytes + max(min(2 * largest, total), arena_floor)  # as provisional_arena_bytes
+
+    kept_bytes = sum(kept.values())
+    now = held(kept_bytes, total, largest)
+    while kept and now > room:
+        moves = {n: held(kept_bytes - b, total + b, max(largest, b)) for n, b in kept.items()}
+        name = min(moves, key=lambda n: (moves[n], n))
+        if moves[name] >= now:
+            break
+        size = kept.pop(name)
+        kept_bytes, total, largest, now = kept_bytes - size, total + size, max(largest, size), moves[name]
+    if now > room and held(0, total + kept_bytes, max(largest, *kept.values(), 0)) < now:
+        return set()
+    return set(kept)

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .config import format_bytes
-from .errors import FlexTensorError
+from .errors import ConfigError, NoCudaError, PinningError
 from .progress import progress_bar
+from .sizes import format_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -49,10 +49,6 @@ PIN_REPEATS = 3
 """Pinning is slower and steadier than copying: fewer repeats suffice."""
 
 Direction = Literal["host_to_device", "device_to_host"]
-
-
-class NoCudaError(FlexTensorError, RuntimeError):
-    """The probe was asked for on a machine (or a torch build) without a CUDA device."""
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -206,7 +202,7 @@ def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasure
         if err != 0:
             del buffer
             _close(mapping)
-            raise FlexTensorError(
+            raise PinningError(
                 f"cudaHostRegister of {format_bytes(size)} failed with CUDA error {err}; "
                 "check the memlock limit (ulimit -l)"
             )
@@ -259,9 +255,9 @@ def run_probe(
     dev = _cuda_device(device)
     sizes = sorted(set(sizes))
     if not sizes or sizes[0] <= 0:
-        raise FlexTensorError(f"probe sizes must be positive byte counts, got {list(sizes)}")
+        raise ConfigError(f"probe sizes must be positive byte counts, got {list(sizes)}")
     if repeats < 1:
-        raise FlexTensorError(f"probe repeats must be at least 1, got {repeats}")
+        raise ConfigError(f"probe repeats must be at least 1, got {repeats}")
     kinds: list[tuple[Direction, bool]] = [
         ("host_to_device", True),
         ("host_to_device", False),

@@ -1,16 +1,73 @@
-"""Profiling forwards: per-unit compute time and activation memory, measured with device events.
+"""Profiling: per-unit compute time and activation memory, measured with device events, made robust.
 
-Used only while the engine is in its profiling phase; steady state records nothing.
+The driver (:class:`ProfilingStep`) loads each unit on demand (weights already in place before its compute
+starts) and times its copy and its compute; :class:`StepProfiler` folds the allocator's peak per unit.
+:func:`combine_samples` turns the timed forwards into the planner's :class:`Measurements`.
+
+[Note: robust measurements]
+A device time can only be inflated by noise (another process, clock ramp-up, a first call's one-off
+work), never deflated. So every timed forward counts, the discovery forward included (its units also run
+with their weights already loaded), and each unit's compute, gap and the tail are the minimum over them:
+one noisy profiling forward (152 ms recorded against 3 ms real) no longer becomes the plan. When the
+samples disagree by more than :data:`DISAGREEMENT` in total compute, the engine profiles one more forward
+(at most :data:`EXTRA_FORWARDS` times). Activation peaks take the maximum: memory must fit the worst.
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from .device import DeviceRuntime
 from .measurements import LinkModel, Measurements, UnitMeasurement
-from .runtime import DeviceRuntime
+from .slots import DeviceStore, copy_into_range, holds_weights
+from .timeline import Timeline
+from .units import Unit
+
+__all__ = [
+    "DISAGREEMENT",
+    "EXTRA_FORWARDS",
+    "ProfilingStep",
+    "StepProfiler",
+    "StepSample",
+    "UnitSample",
+    "combine_samples",
+    "sample_from_timeline",
+    "samples_disagree",
+]
+
+DISAGREEMENT = 2.0
+"""Two timed forwards whose compute differs by more than this factor: one of them was noisy."""
+
+EXTRA_FORWARDS = 2
+"""At most this many forwards are profiled beyond ``profiling_forwards`` when samples disagree."""
+
+
+@dataclass(frozen=True)
+class UnitSample:
+    """One unit in one timed step (seconds, bytes)."""
+
+    unit: str
+    nbytes: int
+    compute_s: float
+    gap_before_s: float
+    copy_s: float
+    activation_bytes: int
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One timed step: its units in execution order, the tail after the last, memory at its start."""
+
+    units: tuple[UnitSample, ...]
+    tail_s: float
+    step_s: float
+    baseline_bytes: int
+    activation_peak_bytes: int
+
+    @property
+    def compute_s(self) -> float:
+        return sum(u.compute_s for u in self.units)
 
 
 @dataclass
@@ -18,7 +75,7 @@ class _UnitCall:
     unit: str
     nbytes: int
     before_load: Any
-    start: Any
+    start: Any = None
     end: Any = None
     copy_start: Any = None
     copy_end: Any = None
@@ -33,27 +90,6 @@ class _StepRecord:
     baseline: int = 0
     peak: int = 0
     calls: list[_UnitCall] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class UnitSample:
-    """One unit in one profiled step (seconds, bytes)."""
-
-    unit: str
-    nbytes: int
-    compute_s: float
-    gap_before_s: float
-    copy_s: float
-    activation_bytes: int
-
-
-@dataclass(frozen=True)
-class StepSample:
-    units: tuple[UnitSample, ...]
-    tail_s: float
-    step_s: float
-    baseline_bytes: int
-    activation_peak_bytes: int
 
 
 class StepProfiler:
@@ -86,7 +122,7 @@ class StepProfiler:
         self._fold_peak()
         before = rt.event(timing=True)
         before.record(rt.current_stream())
-        call = _UnitCall(unit, nbytes, before_load=before, start=None, memory_at_start=rt.memory_allocated())
+        call = _UnitCall(unit, nbytes, before_load=before, memory_at_start=rt.memory_allocated())
         self._step.calls.append(call)
         self._open[unit] = call
         return call
@@ -165,35 +201,121 @@ class StepProfiler:
         return sample
 
 
+class ProfilingStep:
+    """The unit hooks' driver during a profiling forward: load on demand, time the copy and the compute."""
+
+    def __init__(self, store: DeviceStore) -> None:
+        self.store = store
+        self.profiler = StepProfiler(store.runtime)
+        self._compute: Any = None
+
+    def begin(self) -> None:
+        self._compute = self.store.runtime.current_stream()
+        self.profiler.begin_step()
+
+    def end(self) -> StepSample:
+        return self.profiler.end_step()
+
+    def pre(self, unit: Unit) -> None:
+        profiler = self.profiler
+        profiler.before_load(unit.name, unit.nbytes)
+        if not unit.resident:
+            if not holds_weights(unit, self.store.owner):
+                self._timed_load(unit)
+            self._compute.wait_event(unit.copy_done)
+        profiler.compute_start(unit.name)
+
+    def post(self, unit: Unit, output: Any) -> None:
+        if not unit.resident:
+            unit.compute_done.record(self._compute)
+        self.profiler.unit_end(unit.name)
+
+    def _timed_load(self, unit: Unit) -> None:
+        store, runtime = self.store, self.store.runtime
+        stream = runtime.copy_stream
+        timing = self.profiler.copy_events(unit.name)
+        runtime.set_stream(stream)
+        try:
+            for cell in unit.cells:
+                occupant = store.owner[cell]
+                if occupant is not None and occupant is not unit:
+                    stream.wait_event(occupant.compute_done)
+            if timing is not None:
+                timing[0].record(stream)
+            copy_into_range(unit, store.owner, stream)
+            if timing is not None:
+                timing[1].record(stream)
+        finally:
+            runtime.set_stream(self._compute)
+
+
+def sample_from_timeline(timeline: Timeline) -> StepSample:
+    """A StepSample from a recorded step (the discovery forward): compute, gaps and tail only."""
+    units = []
+    previous_end = 0.0
+    for unit in timeline.units:
+        gap_start = unit.compute_start_s - unit.wait_s
+        units.append(
+            UnitSample(
+                unit=unit.unit,
+                nbytes=unit.nbytes,
+                compute_s=unit.compute_s,
+                gap_before_s=max(0.0, gap_start - previous_end),
+                copy_s=unit.copy_s or 0.0,
+                activation_bytes=0,
+            )
+        )
+        previous_end = unit.compute_end_s
+    return StepSample(
+        units=tuple(units),
+        tail_s=max(0.0, timeline.step_s - previous_end),
+        step_s=timeline.step_s,
+        baseline_bytes=0,
+        activation_peak_bytes=0,
+    )
+
+
+def samples_disagree(samples: list[StepSample]) -> bool:
+    """Whether the timed forwards' compute differs by more than DISAGREEMENT (one was noisy)."""
+    totals = [s.compute_s for s in samples if s.units]
+    return len(totals) > 1 and max(totals) > DISAGREEMENT * max(min(totals), 1e-9)
+
+
 def combine_samples(
     samples: list[StepSample],
     link: LinkModel,
     planned_bytes: int,
     input_shapes: tuple[str, ...] = (),
+    timing_only: tuple[StepSample, ...] = (),
 ) -> Measurements:
-    """Median over profiled steps, per unit. ``planned_bytes``: device bytes flextensor held at the step's
-    start (arena and resident units), which the planner re-decides, so they leave the baseline."""
+    """The planner's measurements from profiled ``samples`` (see [Note: robust measurements]).
+
+    ``timing_only``: further timed forwards (discovery) whose times count but whose memory does not.
+    ``planned_bytes``: device bytes flextensor held at the step's start (arena and resident units), which
+    the planner re-decides, so they leave the baseline. Units are those of the last profiled sample.
+    """
     last = samples[-1]
-
-    def med(values: list[float]) -> float:
-        return statistics.median(values) if values else 0.0
-
+    timed = [*samples, *timing_only]
+    by_name = [{u.unit: u for u in s.units} for s in timed]
+    profiled = by_name[: len(samples)]
     units = []
-    for i, unit in enumerate(last.units):
-        same = [s.units[i] for s in samples if i < len(s.units) and s.units[i].unit == unit.unit]
+    for unit in last.units:
+        same = [index[unit.unit] for index in by_name if unit.unit in index]
         units.append(
             UnitMeasurement(
                 name=unit.unit,
                 nbytes=unit.nbytes,
-                compute_s=med([u.compute_s for u in same]),
-                gap_before_s=med([u.gap_before_s for u in same]),
-                activation_bytes=max(u.activation_bytes for u in same),
+                compute_s=min(u.compute_s for u in same),
+                gap_before_s=min(u.gap_before_s for u in same),
+                activation_bytes=max(
+                    index[unit.unit].activation_bytes for index in profiled if unit.unit in index
+                ),
             )
         )
     return Measurements(
         units=tuple(units),
         link=link,
-        tail_s=med([s.tail_s for s in samples]),
+        tail_s=min(s.tail_s for s in timed),
         baseline_bytes=max(0, last.baseline_bytes - planned_bytes),
         activation_peak_bytes=max(s.activation_peak_bytes for s in samples),
         input_shapes=input_shapes,

@@ -18,8 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import format_bytes
 from .errors import NotOffloadedError
+from .sizes import format_bytes
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -242,7 +242,7 @@ def recorded_timeline(engine: OffloadEngine) -> Timeline:
     from .engine import Phase
 
     recording = engine.last_recording
-    if engine.phase is not Phase.INFERENCE or recording is None or engine.plan is None:
+    if engine.phase is not Phase.INFERENCE or recording is None or engine.current is None:
         raise NotOffloadedError(
             f"no steady-state step recorded yet (the model is in its {engine.phase.value} phase): run one "
             "forward in steady state first (flextensor.phase(model) == 'inference')"
@@ -266,11 +266,12 @@ def report(model: nn.Module) -> Report:
     ``flextensor.record_next_step(model)`` and run a forward to report on a later one. Raises
     NotOffloadedError when the model is not offloaded, or has not run a steady forward yet.
     """
-    from .api import _engine
+    from .api import engine_of
 
-    engine = _engine(model)
+    engine = engine_of(model)
     timeline = recorded_timeline(engine)
-    assert engine.plan is not None
+    entry = engine.current
+    assert entry is not None
 
     copy_ms: dict[str, float] = {}
     busy_s = 0.0
@@ -278,12 +279,13 @@ def report(model: nn.Module) -> Report:
         copy_ms[name] = copy_ms.get(name, 0.0) + (end - start) * 1e3
         busy_s += end - start
 
-    arena = engine.arena
+    arena = engine.store.arena
     timed = {unit.unit: unit for unit in timeline.units}
-    profiled = engine.measurements.by_name() if engine.measurements is not None else {}
+    profiled = entry.measurements.by_name()
+    in_order = set(engine.order)
     rows = []
-    for name in [*engine.order, *(u for u in engine.units if u not in engine.order)]:
-        state = engine.units[name]
+    for state in [*engine.order, *(u for u in engine.units.values() if u not in in_order)]:
+        name = state.name
         unit = timed.get(name)
         if unit is None and not state.resident:
             continue  # streamed but did not run in the recorded step
@@ -313,8 +315,8 @@ def report(model: nn.Module) -> Report:
     streamed_sizes = [u.nbytes for u in engine.units.values() if not u.resident]
     sizes = streamed_sizes or [u.nbytes for u in engine.units.values()]
     typical = int(statistics.median(sizes)) if sizes else 0
-    link = engine.measurements.link if engine.measurements is not None else engine.link
-    plan = engine.plan
+    link = entry.measurements.link
+    plan = entry.plan
     return Report(
         model=type(model).__name__,
         device=str(engine.runtime.device),
@@ -330,9 +332,9 @@ def report(model: nn.Module) -> Report:
         achieved_gbps=timeline.streamed_bytes / busy_s / 1e9 if busy_s > 0 else None,
         link_gbps=link.bytes_per_s(typical) / 1e9 if link is not None and typical > 0 else None,
         arena_bytes=0 if arena is None else arena.numel(),
-        device_bytes_held=engine.device_bytes_held(),
-        host_bytes_held=engine.host_bytes_held(),
+        device_bytes_held=engine.store.device_bytes_held(),
+        host_bytes_held=engine.store.host_bytes_held(),
         peak_allocated_bytes=timeline.peak_allocated_bytes if engine.runtime.is_cuda else None,
         predicted_peak_bytes=plan.predicted_peak_bytes,
-        budget_bytes=engine.budget_bytes,
+        budget_bytes=engine.policy.budget_bytes,
     )

@@ -47,8 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .config import format_bytes
-from .errors import FlexTensorError
+from .errors import SharedMemoryError
 from .host_store import (
     PAGE,
     PackedParameter,
@@ -59,8 +58,8 @@ from .host_store import (
     page_unlock,
     unpack,
 )
-from .layout import align_up
-from .profile import fingerprint_parameters
+from .selection import parameter_signatures
+from .sizes import align_up, format_bytes
 
 logger = logging.getLogger("flextensor")
 
@@ -108,7 +107,7 @@ def segment_layout(model: nn.Module, units: Sequence[tuple[str, Named]], pattern
         [name, off, n, [[e.name, e.offset, e.nbytes, list(e.shape), str(e.dtype)] for e in entries]]
         for name, entries, off, n in placed
     ]
-    text = json.dumps([1, fingerprint_parameters(model), patterns, described, offset], default=list)
+    text = json.dumps([1, parameter_signatures(model), patterns, described, offset], default=list)
     return SegmentLayout(tuple(placed), offset, hashlib.sha256(text.encode()).digest())
 
 
@@ -141,6 +140,8 @@ class SharedSegment:
         self.path = path
         self.total = total
         self._mmap = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._fd = fd
+        self._private: mmap.mmap | None = None
         self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total)
         self._pinned = False
         self._users = 0
@@ -159,6 +160,14 @@ class SharedSegment:
         """A pack over this segment's bytes [offset, offset + nbytes); the segment lives while it does."""
         self._users += 1
         return UnitPack.over(unit, entries, self.buffer[offset : offset + nbytes], self)
+
+    def standalone(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._private is None:
+            # MAP_PRIVATE: reads share the segment's pages, a write copies the page for this process.
+            self._private = mmap.mmap(
+                self._fd, self.total, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        return torch.frombuffer(self._private, dtype=dtype, count=numel, offset=offset)
 
     def pack_freed(self) -> None:
         self._users -= 1
@@ -202,7 +211,7 @@ def pack_shared(
     parameters are as they were.
     """
     if not os.path.isdir(SHM_DIR):
-        raise FlexTensorError(f"share_host_memory needs {SHM_DIR} (Linux); set share_host_memory=False")
+        raise SharedMemoryError(f"share_host_memory needs {SHM_DIR} (Linux); set share_host_memory=False")
     timeout = SHARED_STORE_TIMEOUT_S if timeout_s is None else timeout_s
     layout = segment_layout(model, units, patterns)
     prefix = os.path.join(SHM_DIR, f"flextensor-{os.getuid()}-{layout.key.hex()[:16]}-")
@@ -232,7 +241,7 @@ def pack_shared(
             if len(live) > 1:
                 for _, fd in ready:
                     os.close(fd)
-                raise FlexTensorError(
+                raise SharedMemoryError(
                     f"{len(live)} models with this parameter layout share host memory on this node "
                     f"({', '.join(p for p, _ in live)}) and this process's parameters are on the meta "
                     "device, so it cannot tell which holds its weights; load the real weights in this "
@@ -250,7 +259,7 @@ def pack_shared(
                 )
             )
         if time.monotonic() >= deadline:
-            raise FlexTensorError(
+            raise SharedMemoryError(
                 f"timed out after {timeout:g} s waiting for {what}; {hint}, or set share_host_memory=False"
             )
         if not waited:
@@ -343,7 +352,7 @@ def _open_own(path: str, flags: int) -> int:
     st = os.fstat(fd)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         os.close(fd)
-        raise FlexTensorError(
+        raise SharedMemoryError(
             f"{path} belongs to another user or is open to others (mode {st.st_mode & 0o777:o}); "
             "flextensor only maps its own private segments: remove the file, or set share_host_memory=False"
         )
@@ -395,7 +404,7 @@ def _inspect(path: str, layout: SegmentLayout | None) -> tuple[str, int | None]:
         return ("ready" if state == _READY else "packing"), None
     if key != layout.key or total != layout.total:
         os.close(fd)
-        raise FlexTensorError(
+        raise SharedMemoryError(
             f"{path} holds another parameter layout than this model's (a name collision); remove it once "
             "no process uses it, or set share_host_memory=False"
         )
@@ -433,7 +442,7 @@ def _sweep_leftovers() -> None:
         try:
             with _mutex(path):
                 _inspect(path, None)
-        except (FlexTensorError, OSError) as exc:
+        except (SharedMemoryError, OSError) as exc:
             logger.debug("not sweeping %s: %s", path, exc)
 
 
@@ -446,9 +455,14 @@ def _create(path: str, layout: SegmentLayout, digest: bytes) -> int:
             # Reserve every page now: writing past a full tmpfs later would kill us with SIGBUS.
             os.posix_fallocate(fd, 0, layout.total)
         except OSError as exc:
+            if exc.errno == errno.EFBIG:  # RLIMIT_FSIZE (ulimit -f) is below the segment's size
+                raise SharedMemoryError(
+                    f"the file-size limit (ulimit -f) is below the {format_bytes(layout.total)} shared "
+                    "segment of weights; raise it (ulimit -f unlimited) or set share_host_memory=False"
+                ) from None
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
-            raise FlexTensorError(
+            raise SharedMemoryError(
                 f"{SHM_DIR} has too little room for the {format_bytes(layout.total)} of shared weights; "
                 "enlarge it (e.g. docker run --shm-size) or set share_host_memory=False"
             ) from None
@@ -472,7 +486,7 @@ def _leave(path: str, fd: int, pid: int) -> None:
                     os.unlink(path)
             except BlockingIOError:
                 pass
-    except (OSError, FlexTensorError) as exc:
+    except (OSError, SharedMemoryError) as exc:
         # Often at exit: say why, but do not fail; a later start removes the segment if it is left.
         logger.warning("could not leave the shared segment %s cleanly: %s", path, exc)
     finally:

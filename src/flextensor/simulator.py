@@ -36,16 +36,14 @@ starts, like every later one, with idle streams and the same units in the arena.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
-from .layout import UNIT_ALIGNMENT, align_up
+from .errors import PlanError
+from .layout import UNIT_ALIGNMENT, ring_layout
 from .measurements import Measurements
-
-if TYPE_CHECKING:  # planner.py imports this module: a runtime import would be circular
-    from .planner import Plan
+from .plan import Plan
+from .sizes import align_up
 
 DEFAULT_STEPS = 2
 """Forwards simulated: a cold one and a steady one. Each step starts with both streams idle (see [Note:
@@ -120,8 +118,8 @@ def peak_bytes(measurements: Measurements, resident_nbytes: Sequence[int], arena
 
 
 @dataclass
-class _Trace:
-    """Raw result of one run of the two-stream model: the reported (steady) step, in absolute times."""
+class StreamTrace:
+    """What :func:`run_streams` returns: the reported (steady) step, in absolute times."""
 
     step_start: float
     step_s: float
@@ -132,71 +130,10 @@ class _Trace:
     copy_start: list[float | None]  # per streamed position: the copy the steady step consumes
     copy_end: list[float | None]
     copied: list[bool]  # per streamed position: copied in steady state (not loaded once for good)
-    gain: list[float] | None  # per streamed position: see _run's want_gain
+    gain: list[float] | None  # per streamed position: see run_streams' want_gain
 
 
-def _ring_ready_after(sizes: Sequence[int], arena_bytes: int) -> tuple[int | None, ...]:
-    """``ring_layout(...).ready_after`` for these sizes, without its all-pairs conflict table.
-
-    The planner simulates hundreds of layouts; ring_layout's O(units^2) conflict table dominated its
-    time. Units of one lap (between two wraps to offset 0) are laid end to end, so they never overlap
-    each other, and within a lap both offsets and ends are sorted: the last unit of a lap overlapping a
-    range is found by bisection. Scanning laps backward from the unit's own finds the nearest conflict.
-    tests/test_simulator.py checks this agrees with ring_layout.
-    """
-    padded = [align_up(s, UNIT_ALIGNMENT) for s in sizes]
-    n = len(padded)
-    offsets = [0] * n
-    lap_of = [0] * n
-    laps: list[list[int]] = []  # positions of each lap, in order
-    lap_offsets: list[list[int]] = []
-    lap: list[int] = []
-    lap_offs: list[int] = []
-    cursor = 0
-    for k, size in enumerate(padded):
-        if not laps or cursor + size > arena_bytes:
-            cursor = 0
-            lap, lap_offs = [], []
-            laps.append(lap)
-            lap_offsets.append(lap_offs)
-        offsets[k] = cursor
-        lap_of[k] = len(laps) - 1
-        lap.append(k)
-        lap_offs.append(cursor)
-        cursor += size
-    ready: list[int | None] = [None] * n
-    count = len(laps)
-    for k in range(n):
-        lo = offsets[k]
-        hi = lo + padded[k]
-        own = lap_of[k]
-        for back in range(1, count):
-            other = own - back if own >= back else own - back + count
-            # Last unit of the lap starting before ``hi``; ends are sorted, so if it ends at or before
-            # ``lo`` no unit of this lap overlaps.
-            idx = bisect.bisect_left(lap_offsets[other], hi) - 1
-            if idx >= 0:
-                j = laps[other][idx]
-                if offsets[j] + padded[j] > lo:
-                    ready[k] = j
-                    break
-    return tuple(ready)
-
-
-def _prefetch_lists(ready_after: Sequence[int | None]) -> list[list[int]]:
-    """For each position, the positions whose copies its post-hook issues, nearest first."""
-    n = len(ready_after)
-    lists: list[list[int]] = [[] for _ in range(n)]
-    for k, j in enumerate(ready_after):
-        if j is not None:
-            lists[j].append(k)
-    for j in range(n):
-        if len(lists[j]) > 1:
-            lists[j].sort(key=lambda k, j=j: (k - j) % n)
-    return lists
-
-
-def _run(
+def run_streams(
     compute: Sequence[float],
     gaps: Sequence[float],
     tail: float,
@@ -207,7 +144,7 @@ def _run(
     steps: int,
     cyclic: bool,
     want_gain: bool = False,
-) -> _Trace:
+) -> StreamTrace:
     """Simulate ``steps`` forwards of the two streams (see [Note: what the simulator models]).
 
     ``position[i]`` is unit ``i``'s streamed position or -1 when it is resident; ``copy_s``,
@@ -234,7 +171,7 @@ def _run(
     cur_end: list[float | None] = [None] * n
     nxt_start: list[float | None] = [None] * n
     nxt_end: list[float | None] = [None] * n
-    result: _Trace | None = None
+    result: StreamTrace | None = None
     # For the gain estimate: the reported step's copies in FIFO order, as (position, consumed in this
     # step, queued back-to-back behind the previous copy).
     events: list[tuple[int, bool, bool]] = []
@@ -291,7 +228,7 @@ def _run(
         compute_end = prev + tail
         step_end = compute_end if compute_end >= copy_free else copy_free
         if s == report:
-            result = _Trace(
+            result = StreamTrace(
                 step_start=t,
                 step_s=step_end - t,
                 tail_copy=step_end - compute_end,
@@ -336,17 +273,17 @@ def _check_plan(plan: Plan, measurements: Measurements) -> None:
     known = set(names)
     resident, streamed = set(plan.resident), set(plan.streamed)
     if len(streamed) != len(plan.streamed) or len(resident) != len(plan.resident):
-        raise ValueError("a plan lists a unit twice")
+        raise PlanError("a plan lists a unit twice")
     if resident & streamed:
-        raise ValueError(f"units both resident and streamed: {sorted(resident & streamed)}")
+        raise PlanError(f"units both resident and streamed: {sorted(resident & streamed)}")
     unknown = (resident | streamed) - known
     if unknown:
-        raise ValueError(f"the plan names units the measurements do not have: {sorted(unknown)}")
+        raise PlanError(f"the plan names units the measurements do not have: {sorted(unknown)}")
     missing = known - resident - streamed
     if missing:
-        raise ValueError(f"the plan places no entry for units {sorted(missing)}")
+        raise PlanError(f"the plan places no entry for units {sorted(missing)}")
     if list(plan.streamed) != [n for n in names if n in streamed]:
-        raise ValueError("plan.streamed must list the streamed units in execution order")
+        raise PlanError("plan.streamed must list the streamed units in execution order")
 
 
 def simulate(
@@ -355,20 +292,20 @@ def simulate(
     """Simulate ``steps`` consecutive forwards under ``plan`` and report the last (steady) one.
 
     ``cyclic=False`` models forwards that each start with an empty arena and no cross-step prefetch.
-    Raises ValueError when the plan does not place every measured unit exactly once, or when the arena
+    Raises PlanError when the plan does not place every measured unit exactly once, or when the arena
     cannot hold its largest streamed unit.
     """
     if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+        raise PlanError(f"steps must be at least 1, got {steps}")
     _check_plan(plan, measurements)
     units = measurements.units
     sizes = {u.name: u.nbytes for u in units}
-    layout = plan.layout(sizes)
+    layout = ring_layout(plan.streamed, [sizes[u] for u in plan.streamed], plan.arena_bytes)
     pos_of = {name: k for k, name in enumerate(layout.order)}
     position = [pos_of.get(u.name, -1) for u in units]
     link = measurements.link
     copy_s = [link.copy_s(n) for n in layout.sizes]
-    trace = _run(
+    trace = run_streams(
         [u.compute_s for u in units],
         [u.gap_before_s for u in units],
         measurements.tail_s,

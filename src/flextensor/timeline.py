@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .runtime import DeviceRuntime
+from .device import DeviceRuntime
+from .errors import PlanError
 
 
 @dataclass
@@ -133,7 +134,7 @@ class StepRecorder:
         if self._timeline is not None:
             return self._timeline
         if not self.finished:
-            raise RuntimeError("the recorded step has not finished yet")
+            raise PlanError("the recorded step has not finished yet")
         self.end.synchronize()
         for _, _, copy_end, _ in self.copies:
             copy_end.synchronize()

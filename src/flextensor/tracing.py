@@ -9,13 +9,12 @@ the unit's bytes and placement. Like :func:`flextensor.report`, it reads the alr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .json_codec import atomic_write_text
 from .reporting import recorded_timeline
 
 if TYPE_CHECKING:
@@ -110,20 +109,9 @@ def trace(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     one, never half of it. Raises NotOffloadedError when no steady step has been recorded yet, OSError
     when the file cannot be written.
     """
-    from .api import _engine
+    from .api import engine_of
 
-    engine = _engine(model)
+    engine = engine_of(model)
     document = trace_events(engine, recorded_timeline(engine))
-    target = Path(path)
-    directory = target.parent if str(target.parent) else Path(".")
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(document, f, separators=(",", ":"))
-        os.chmod(temp, 0o644)  # mkstemp makes it private; a trace is meant to be shared and opened
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    return target
+    atomic_write_text(path, json.dumps(document, separators=(",", ":")))
+    return Path(path)

@@ -1,4 +1,10 @@
-"""Between a live engine and a saved profile: build one from the engine, start an engine from one."""
+"""Between a live engine and a saved profile: take one from the engine, start an engine from one.
+
+A run started from a profile skips discovery and profiling: the saved plan is laid out at once. Its
+first forward still checks that the model behaves as when the profile was made (see
+``OffloadEngine.adopt_profile``): a model whose code changed since is profiled again rather than run
+with a plan that no longer fits it.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +13,35 @@ import datetime
 import logging
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
-from .engine import OffloadEngine
-from .errors import ProfileError
-from .profile import (
+from .device import distributed_place
+from .errors import NotOffloadedError, ProfileError
+from .profile_file import (
     Compatibility,
     Fingerprint,
     Profile,
     check_compatibility,
-    fingerprint_parameters,
     load_profile_file,
     replan_reasons,
-    save_profile_file,
 )
+from .selection import parameter_signatures
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
 
 logger = logging.getLogger("flextensor")
 
-
-def _distributed_place() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+__all__ = ["engine_fingerprint", "snapshot_profile", "start_from_profile"]
 
 
 def engine_fingerprint(engine: OffloadEngine, input_shapes: tuple[str, ...]) -> Fingerprint:
-    rank, world_size = _distributed_place()
+    """What a profile of ``engine`` made at ``input_shapes`` is for."""
+    rank, world_size = distributed_place()
     return Fingerprint(
-        parameters=fingerprint_parameters(engine.model),
+        parameters=parameter_signatures(engine.model),
         include_patterns=tuple(engine.config.include_patterns),
         exclude_patterns=tuple(engine.config.exclude_patterns),
         device_name=engine.runtime.name(),
@@ -47,26 +52,29 @@ def engine_fingerprint(engine: OffloadEngine, input_shapes: tuple[str, ...]) -> 
     )
 
 
-def save_engine_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> None:
-    """Write the engine's measurements and plan (steady state) to ``path``, atomically."""
+def snapshot_profile(engine: OffloadEngine) -> Profile:
+    """The engine's measurements and plan in force, as a Profile (steady state only)."""
     from . import __version__
 
-    assert engine.measurements is not None and engine.plan is not None
+    entry = engine.current
+    if entry is None:
+        raise NotOffloadedError(
+            f"nothing to save yet: the model is in its {engine.phase.value} phase; run forwards until "
+            "flextensor.phase(model) == 'inference', then save"
+        )
     streamed = {fqn for unit in engine.units.values() for fqn, _, _ in unit.parameters}
-    profile = Profile(
-        fingerprint=engine_fingerprint(engine, engine.measurements.input_shapes),
-        order=tuple(engine.order),
+    return Profile(
+        fingerprint=engine_fingerprint(engine, entry.measurements.input_shapes),
+        order=tuple(u.name for u in engine.order),
         unit_parameters={
             name: tuple(fqn for fqn, _, _ in unit.parameters) for name, unit in engine.units.items()
         },
         resident_parameters=tuple(n for n, _ in engine.model.named_parameters() if n not in streamed),
-        measurements=engine.measurements,
-        plan=engine.plan,
+        measurements=entry.measurements,
+        plan=entry.plan,
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         flextensor_version=__version__,
     )
-    save_profile_file(profile, path)
-    logger.info("saved profile to %s", path)
 
 
 def start_from_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> None:
@@ -99,32 +107,37 @@ def start_from_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> N
         )
         if engine.link is not None:
             measurements = dataclasses.replace(measurements, link=engine.link)
-        plan = None  # install_plan plans as a fresh run would (budget, device ceiling)
-    elif plan.budget_bytes not in (engine.budget_bytes, _no_budget_ceiling(engine)):
+        plan = None  # the engine plans as a fresh run would (budget, device ceiling)
+    elif (
+        plan.budget_bytes != engine.policy.budget_bytes and plan.budget_bytes != engine.policy.memory_limit()
+    ):
+        # Without a budget, a plan capped at the device's share is this engine's own, not another budget's.
         logger.info("profile %s was planned for another budget; re-planning", source)
         plan = None
-    engine.order = list(profile.order)
-    engine.input_shapes = measurements.input_shapes
-    engine.install_plan(measurements, plan)
-
-
-def _no_budget_ceiling(engine: OffloadEngine) -> int | None:
-    """Without a budget, the ceiling a plan that would not fit the device was made under (its recorded
-    budget): such a plan is this engine's own, not one for another budget."""
-    return engine._memory_limit() if engine.budget_bytes is None else engine.budget_bytes
+    engine.adopt_profile(list(profile.order), measurements, plan)
 
 
 def _match_units(engine: OffloadEngine, profile: Profile, source: str) -> None:
     """Make the engine's units stream exactly what the profile's did (discovery may have kept some
     parameters resident, which this run has not discovered)."""
-    if set(profile.unit_parameters) != set(engine.units):
-        missing = sorted(set(engine.units) ^ set(profile.unit_parameters))
+    resident = set(profile.resident_parameters)
+    # A unit the profiled run stopped streaming (every weight kept resident) is not in the profile.
+    dropped = {
+        name
+        for name, unit in engine.units.items()
+        if name not in profile.unit_parameters and all(fqn in resident for fqn, _, _ in unit.parameters)
+    }
+    if set(profile.unit_parameters) != set(engine.units) - dropped:
+        missing = sorted((set(engine.units) - dropped) ^ set(profile.unit_parameters))
         raise ProfileError(
             f"profile {source} lists other offload units than this run selects (first difference: "
             f"{missing[0]!r}); delete the profile to re-profile"
         )
-    for name, unit in engine.units.items():
-        saved = set(profile.unit_parameters[name])
+    for name, unit in list(engine.units.items()):
+        saved = set(profile.unit_parameters.get(name, ()))
         for fqn, param, _ in list(unit.parameters):
             if fqn not in saved:
-                engine.keep_resident(id(param), "found read outside its unit when the profile was made")
+                engine.keep_parameter_resident(
+                    id(param), "found read outside its unit when the profile was made"
+                )
+    engine.drop_empty_units()

@@ -13,57 +13,55 @@ it. The layout is::
      "fingerprint": {...}, "order": [...], "unit_parameters": {...}, "resident_parameters": [...],
      "measurements": {...}, "plan": {...}}
 
-Dataclasses (Fingerprint, Measurements, UnitMeasurement, LinkModel, Plan) are written as objects with one
-key per field, in field order, driven by ``dataclasses.fields`` and the field annotations, so a field added
-to ``Plan`` round-trips without changes here. Tuples are written as lists and read back as tuples.
+The records (Fingerprint, Measurements, UnitMeasurement, LinkModel, Plan) are written as objects with
+one key per field, in field order, by the codec in json_codec.py (pydantic), so a field added to ``Plan``
+round-trips without changes here. Tuples are written as lists and read back as tuples.
 
 Loading is strict: every value is checked against its field's annotation (an integer is not a boolean; a
-number is finite and, since flextensor only stores sizes, durations and counts, not negative), unknown keys
-are rejected (they come from a newer flextensor or a hand edit, and dropping them silently could mis-plan),
-and a missing key is an error unless its field has a default. That one leniency is deliberate: a profile
+number is finite; sizes, durations and counts are not negative), unknown keys are rejected (they come
+from a newer flextensor or a hand edit, and dropping them silently could mis-plan), and a missing key is
+an error unless its field has a default. That one leniency is deliberate: a profile
 written before a defaulted field was added still describes a valid plan, so it stays readable without a
 version bump. Every error is a :class:`ProfileError` naming the file and the JSON path of the bad field,
 e.g. ``measurements.units[3].compute_s``.
 
-Pure: no torch at import time (``fingerprint_parameters`` only calls methods of the module it is given).
+Pure: no torch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime
 import enum
 import json
-import math
-import numbers
-import operator
 import os
-import stat
-import tempfile
-import types
-import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from .errors import ProfileError
+from .json_codec import (
+    RecordError,
+    atomic_write_text,
+    from_json_data,
+    record,
+    render_json,
+    show,
+    to_json_data,
+)
 from .layout import minimal_arena_bytes
 from .measurements import Measurements
-from .planner import Plan
-
-if TYPE_CHECKING:
-    import torch
+from .plan import Plan
 
 __all__ = [
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
     "Compatibility",
     "Fingerprint",
+    "ParameterSignature",
     "Profile",
     "check_compatibility",
-    "fingerprint_parameters",
     "load_profile_file",
     "profile_from_dict",
     "profile_to_dict",
@@ -81,16 +79,14 @@ _REPROFILE = "delete it to re-profile"
 _OTHER_MODEL_FIX = "delete the profile or pass profile=None to re-profile"
 _TOP_LEVEL_FIRST = ("flextensor_version", "created_at")
 """Profile fields written right after format/version, before the bulky ones, so a reader sees them first."""
-_MAX_SHOWN = 60
-"""Characters of a bad value quoted in an error message (a corrupted leaf may be a huge list)."""
-_NEW_FILE_MODE = 0o644
-"""Mode of a newly created profile file (NamedTemporaryFile creates 0600, too private for a shared cache)."""
 
+_Count = Annotated[int, Field(ge=0)]
 
-ParameterSignature = tuple[str, tuple[int, ...], str]
+ParameterSignature = tuple[str, tuple[_Count, ...], str]
 """(fully qualified name, shape, dtype as ``str(tensor.dtype)``) of one parameter."""
 
 
+@record
 @dataclass(frozen=True)
 class Fingerprint:
     """What a profile was made for: the model's parameters, the patterns, the device and the run.
@@ -106,27 +102,15 @@ class Fingerprint:
     device_name: str
     torch_version: str
     input_shapes: tuple[str, ...]
-    rank: int = 0
-    world_size: int = 1
+    rank: _Count = 0
+    world_size: Annotated[int, Field(ge=1)] = 1
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+            raise ProfileError(f"rank must be in [0, {self.world_size}), got {self.rank}")
 
 
-def fingerprint_parameters(model: torch.nn.Module) -> tuple[ParameterSignature, ...]:
-    """(FQN, shape, dtype string) of every parameter of ``model``, in ``named_parameters`` order.
-
-    Shapes are read from the tensor metadata only, so this works on meta and offloaded parameters alike.
-    """
-    return tuple(
-        (name, tuple(int(d) for d in param.shape), str(param.dtype))
-        for name, param in model.named_parameters()
-    )
-
-
+@record
 @dataclass(frozen=True)
 class Profile:
     """Everything a run needs to start in steady state: order, unit contents, measurements and plan.
@@ -245,13 +229,15 @@ def _parameter_difference(
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The JSON-ready dict of ``profile`` (see [Note: profile format]).
 
-    Converts by field annotation (so numpy integers become ints, ints in float fields become floats);
-    raises ProfileError naming the field when a value cannot be stored. Does not check consistency:
+    Raises ProfileError naming the field when a value cannot be stored. Does not check consistency:
     :func:`save_profile_file` does, by reading the dict back.
     """
     if not isinstance(profile, Profile):
         raise ProfileError(f"cannot save {type(profile).__name__} as a profile; expected a Profile")
-    body = _encode(profile, Profile, "")
+    try:
+        body = to_json_data(profile, Profile)
+    except RecordError as exc:
+        raise ProfileError(f"cannot save the profile: {exc}") from None
     out: dict[str, Any] = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION}
     for key in _TOP_LEVEL_FIRST:
         out[key] = body.pop(key)
@@ -273,7 +259,7 @@ def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
     marker = data.get("format")
     if marker != PROFILE_FORMAT:
         raise ProfileError(
-            f"profile {source} is not a flextensor profile: its 'format' is {_show(marker)}, expected "
+            f"profile {source} is not a flextensor profile: its 'format' is {show(marker)}, expected "
             f"{PROFILE_FORMAT!r}; check the path, or {_REPROFILE}"
         )
     if "version" not in data:
@@ -281,7 +267,7 @@ def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
     version = data["version"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise ProfileError(
-            f"profile {source} has version {_show(version)}, not an integer; this flextensor reads version "
+            f"profile {source} has version {show(version)}, not an integer; this flextensor reads version "
             f"{PROFILE_VERSION}; {_REPROFILE}"
         )
     if version != PROFILE_VERSION:
@@ -295,7 +281,12 @@ def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
             + advice
         )
     body = {key: value for key, value in data.items() if key not in ("format", "version")}
-    profile = _decode(body, Profile, "", source)
+    try:
+        profile = from_json_data(body, Profile)
+    except RecordError as exc:
+        raise ProfileError(f"profile {source} is invalid: {exc}; {_REPROFILE}") from None
+    except ProfileError as exc:  # a record's own check (a rank outside the world size)
+        raise ProfileError(f"profile {source} is invalid: {exc}; {_REPROFILE}") from None
     _check_consistency(profile, source)
     return profile
 
@@ -309,7 +300,7 @@ def _check_consistency(profile: Profile, source: str) -> None:
     try:
         datetime.datetime.fromisoformat(profile.created_at)
     except ValueError:
-        raise bad("created_at", f"is {_show(profile.created_at)}, not an ISO 8601 time") from None
+        raise bad("created_at", f"is {show(profile.created_at)}, not an ISO 8601 time") from None
 
     parameter_names = [name for name, _, _ in profile.fingerprint.parameters]
     for path, names, what in (
@@ -394,63 +385,22 @@ def _at(items: Sequence[str], i: int) -> str:
 def save_profile_file(profile: Profile, path: str | os.PathLike[str]) -> None:
     """Write ``profile`` to ``path`` atomically: the old file stays intact until the new one is complete.
 
-    The profile is validated first (it must load back), written to a temporary file in the same directory,
-    flushed and fsynced, then renamed over ``path``. A missing parent directory or a failed write raises
-    ProfileError; on any failure the temporary file is removed.
+    The profile is validated first (it must load back); a symbolic link at ``path`` is followed (its
+    target is replaced). A missing parent directory or a failed write raises ProfileError.
     """
     path = os.fspath(path)
     data = profile_to_dict(profile)
     # Read it back before writing: whatever is saved must load (a NaN or an inconsistent plan fails here).
     profile_from_dict(data, source=f"{path} (being saved)")
-    text = _render(data, 0) + "\n"
-
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(directory):
         raise ProfileError(
             f"cannot save profile {path}: directory {directory} does not exist; create it first"
         )
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)  # keep the permissions of the file being replaced
-    except OSError:
-        mode = _NEW_FILE_MODE
-    temp_name: str | None = None
-    try:
-        with tempfile.NamedTemporaryFile(
-            "w",
-            encoding="utf-8",
-            dir=directory,
-            prefix=f".{os.path.basename(path)}.",
-            suffix=".tmp",
-            delete=False,
-        ) as temp:
-            temp_name = temp.name
-            temp.write(text)
-            temp.flush()
-            os.fsync(temp.fileno())  # the data must be on disk before the rename makes it the profile
-        os.chmod(temp_name, mode)
-        os.replace(temp_name, path)
-        temp_name = None
-    except OSError as e:
-        raise ProfileError(f"cannot save profile {path}: {e}") from e
-    finally:
-        if temp_name is not None:
-            # Already gone, or the directory vanished: nothing else to clean.
-            with contextlib.suppress(OSError):
-                os.unlink(temp_name)
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the rename durable (POSIX); best effort, since some systems cannot open directories."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+        atomic_write_text(path, render_json(data) + "\n")
+    except OSError as exc:
+        raise ProfileError(f"cannot save profile {path}: {exc}") from exc
 
 
 def load_profile_file(path: str | os.PathLike[str]) -> Profile:
@@ -473,233 +423,6 @@ def load_profile_file(path: str | os.PathLike[str]) -> Profile:
             f"profile {path} is not valid JSON (truncated or hand-edited?): {e}; {_REPROFILE}"
         ) from None
     return profile_from_dict(data, source=path)
-
-
-_INLINE_WIDTH = 100
-"""Lists without objects inside are written on one line when they fit: shapes, parameter entries."""
-
-
-def _render(value: Any, level: int) -> str:
-    """JSON text of ``value``, indented by one space per level, short flat lists on one line."""
-    if isinstance(value, dict):
-        if not value:
-            return "{}"
-        pad = " " * (level + 1)
-        items = [f"{pad}{json.dumps(k)}: {_render(v, level + 1)}" for k, v in value.items()]
-        return "{\n" + ",\n".join(items) + "\n" + " " * level + "}"
-    if isinstance(value, list):
-        if not _has_object(value):
-            flat = json.dumps(value, allow_nan=False)
-            if len(flat) + level <= _INLINE_WIDTH:
-                return flat
-        if not value:
-            return "[]"
-        pad = " " * (level + 1)
-        return "[\n" + ",\n".join(pad + _render(v, level + 1) for v in value) + "\n" + " " * level + "]"
-    return json.dumps(value, allow_nan=False)
-
-
-def _has_object(value: Any) -> bool:
-    if isinstance(value, dict):
-        return True
-    return isinstance(value, list) and any(_has_object(v) for v in value)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Annotation-driven codec
-
-
-@cache
-def _field_types(cls: type) -> dict[str, Any]:
-    """Resolved annotations of a dataclass (they are strings under ``from __future__ import annotations``)."""
-    return typing.get_type_hints(cls)
-
-
-def _optional_arm(tp: Any) -> Any | None:
-    """``X`` for ``X | None``; None for any other type."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        arms = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(arms) == 1 and len(typing.get_args(tp)) == 2:
-            return arms[0]
-    return None
-
-
-def _unsupported(tp: Any, path: str) -> ProfileError:
-    # A flextensor bug (a dataclass field of a type profiles cannot store), reported as such.
-    return ProfileError(
-        f"flextensor bug: field {path or '<top level>'} has type {tp!r}, which profiles cannot store"
-    )
-
-
-def _encode(value: Any, tp: Any, path: str) -> Any:
-    """``value`` (annotated ``tp``) as plain JSON data; ProfileError naming ``path`` if it cannot be."""
-
-    def bad(expected: str) -> ProfileError:
-        return ProfileError(
-            f"cannot save the profile: {path or '<top level>'} must be {expected}, got {_show(value)}"
-        )
-
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        if not isinstance(value, tp):
-            raise bad(f"a {tp.__name__}")
-        hints = _field_types(tp)
-        return {
-            f.name: _encode(getattr(value, f.name), hints[f.name], _child(path, f.name))
-            for f in dataclasses.fields(tp)
-            if f.init
-        }
-    arm = _optional_arm(tp)
-    if arm is not None:
-        return None if value is None else _encode(value, arm, path)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            raise bad("a tuple")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return [_encode(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
-        if len(value) != len(args):
-            raise bad(f"a tuple of {len(args)} items")
-        return [_encode(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))]
-    if origin is dict:
-        if args[0] is not str:
-            raise _unsupported(tp, path)
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise bad("a dict with string keys")
-        return {k: _encode(v, args[1], f"{path}[{k!r}]") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad("a bool")
-        return value
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad("an integer")
-        try:
-            return operator.index(value)  # accepts numpy integers, rejects floats
-        except TypeError:
-            raise bad("an integer") from None
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise bad("a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise bad("a number") from None
-    if tp is str:
-        if not isinstance(value, str):
-            raise bad("a string")
-        return value
-    raise _unsupported(tp, path)
-
-
-def _decode(value: Any, tp: Any, path: str, source: str) -> Any:
-    """Parsed JSON ``value`` as the annotated type ``tp``, checked strictly; ProfileError naming ``path``."""
-
-    def bad(message: str) -> ProfileError:
-        where = path or "the top level"
-        return ProfileError(f"profile {source} is invalid: {where} {message}; {_REPROFILE}")
-
-    def expected(what: str) -> ProfileError:
-        return bad(f"must be {what}, got {_show(value)} ({_json_type(value)})")
-
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return _decode_dataclass(value, tp, path, source, bad, expected)
-    arm = _optional_arm(tp)
-    if arm is not None:
-        return None if value is None else _decode(value, arm, path, source)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise expected("a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(v, args[0], f"{path}[{i}]", source) for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise expected(f"a list of {len(args)} items")
-        return tuple(
-            _decode(v, a, f"{path}[{i}]", source) for i, (v, a) in enumerate(zip(value, args, strict=True))
-        )
-    if origin is dict:
-        if args[0] is not str:
-            raise _unsupported(tp, path)
-        if not isinstance(value, dict):
-            raise expected("an object")
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):  # impossible from JSON text, possible from a caller's dict
-                raise bad(f"has a key {_show(k)} that is not a string")
-            out[k] = _decode(v, args[1], f"{path}[{k!r}]", source)
-        return out
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise expected("true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise expected("an integer")
-        if value < 0:
-            raise bad(f"must not be negative, got {value}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise expected("a number")
-        try:
-            number = float(value)
-        except OverflowError:
-            raise bad(f"is out of range, got {_show(value)}") from None
-        if not math.isfinite(number):
-            raise bad(f"must be a finite number, got {number}")
-        if number < 0:
-            raise bad(f"must not be negative, got {number}")
-        return number
-    if tp is str:
-        if not isinstance(value, str):
-            raise expected("a string")
-        return value
-    raise _unsupported(tp, path)
-
-
-def _decode_dataclass(
-    value: Any,
-    cls: type,
-    path: str,
-    source: str,
-    bad: Callable[[str], ProfileError],
-    expected: Callable[[str], ProfileError],
-) -> Any:
-    if not isinstance(value, dict):
-        raise expected("an object")
-    fields = [f for f in dataclasses.fields(cls) if f.init]
-    names = {f.name for f in fields}
-    for key in value:
-        if key not in names:
-            raise bad(
-                f"has an unknown key {_show(key)} (written by a newer flextensor, or hand-edited?); "
-                f"known keys: {', '.join(f.name for f in fields)}"
-            )
-    hints = _field_types(cls)
-    kwargs: dict[str, Any] = {}
-    for f in fields:
-        if f.name in value:
-            kwargs[f.name] = _decode(value[f.name], hints[f.name], _child(path, f.name), source)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise bad(f"has no key {f.name!r}")
-        # else: a defaulted field absent from an older profile takes its default (see module docstring).
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:  # the dataclass's own validation, e.g. LinkModel's positive points
-        raise bad(f"is invalid: {e}") from None
-
-
-def _child(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _show(value: Any) -> str:
-    """A short rendering of a value for an error message: JSON where possible (null, not None)."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(value)
-    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
 def _json_type(value: Any) -> str:

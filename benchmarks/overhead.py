@@ -1,0 +1,194 @@
+"""Host-side costs of the engine: per-unit overhead of a steady step, and how setup scales with units.
+
+    python -m benchmarks.overhead --device cuda                    # both measurements, a table each
+    python -m benchmarks.overhead --device cpu --skip-scaling      # only the per-unit hot-path overhead
+
+Per-unit overhead: a stack of ``--units`` small linear layers (decode-like: one token, launch-bound), every
+unit streamed (the tightest budget the planner accepts). The host time to enqueue one forward (no device
+synchronisation inside it) is timed for the model held natively and offloaded; the difference divided by
+the number of streamed units is what each unit's hooks, copies and events cost the host.
+
+Scaling: offload() plus the first three forwards (discovery, profiling, the first steady one) of stacks of
+1,000 and 10,000 tiny units, each in a fresh process, with the growth of its resident set size. The cost
+per unit should not grow with the number of units.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+
+SCALING_UNITS = (1_000, 10_000)
+"""Unit counts of the scaling run: a ratio of ten shows any quadratic term clearly."""
+
+TIMED_FORWARDS = 50
+"""Steady forwards timed per variant; the median is reported."""
+
+
+class Stack(nn.Module):
+    """``units`` linear layers applied in sequence; each layer is one offload unit."""
+
+    def __init__(self, units: int, hidden: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(units))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_times(model: nn.Module, x: torch.Tensor, device: torch.device, n: int) -> list[float]:
+    """Seconds the host spends enqueueing each of ``n`` forwards (the device drained between them)."""
+    times = []
+    with torch.no_grad():
+        for _ in range(n):
+            _sync(device)
+            start = time.perf_counter()
+            model(x)
+            times.append(time.perf_counter() - start)
+    _sync(device)
+    return times
+
+
+def _tightest_budget(model: nn.Module, config_fields: dict, x: torch.Tensor) -> int:
+    """The smallest budget the planner accepts for ``model``: profile it once, ask the planner."""
+    import tempfile
+
+    import flextensor
+    from flextensor.planner import minimal_need_bytes
+    from flextensor.profile_file import load_profile_file
+
+    flextensor.offload(model, flextensor.OffloadConfig(**config_fields))
+    with torch.no_grad():
+        while flextensor.phase(model) != "inference":
+            model(x)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "p.json")
+        flextensor.save_profile(model, path)
+        need, _ = minimal_need_bytes(load_profile_file(path).measurements)
+    flextensor.release(model)
+    return need
+
+
+def per_unit_overhead(device: torch.device, units: int, hidden: int) -> dict[str, float]:
+    import flextensor
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Stack(units, hidden).to(dtype).eval()
+    x = torch.randn(1, hidden, dtype=dtype, device=device)
+    native = model.to(device)
+    _host_times(native, x, device, 5)
+    native_s = statistics.median(_host_times(native, x, device, TIMED_FORWARDS))
+    model = native.cpu()
+    fields = {"include_patterns": ["layers.*"], "device": str(device)}
+    budget = _tightest_budget(model, fields, x)
+    flextensor.offload(model, flextensor.OffloadConfig(gpu_memory_budget=budget, **fields))
+    with torch.no_grad():
+        while flextensor.phase(model) != "inference":
+            model(x)
+    _host_times(model, x, device, 5)
+    offloaded_s = statistics.median(_host_times(model, x, device, TIMED_FORWARDS))
+    streamed = sum(1 for row in flextensor.report(model).units if not row.resident)
+    flextensor.release(model)
+    return {
+        "units": units,
+        "streamed": streamed,
+        "native_host_ms": native_s * 1e3,
+        "offloaded_host_ms": offloaded_s * 1e3,
+        "per_unit_us": (offloaded_s - native_s) / max(streamed, 1) * 1e6,
+    }
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def scaling_child(units: int, device: str) -> dict[str, float]:
+    """One scaling measurement in this (fresh) process."""
+    import flextensor
+
+    torch.manual_seed(0)
+    model = Stack(units, 4).eval()
+    x = torch.randn(1, 4)
+    if device.startswith("cuda"):
+        x = x.to(device)
+    rss0 = _rss_bytes()
+    start = time.perf_counter()
+    flextensor.offload(model, flextensor.OffloadConfig(include_patterns=["layers.*"], device=device))
+    offload_s = time.perf_counter() - start
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+    _sync(torch.device(device))
+    forwards_s = time.perf_counter() - start
+    return {
+        "units": units,
+        "offload_s": offload_s,
+        "three_forwards_s": forwards_s,
+        "rss_growth_mib": (_rss_bytes() - rss0) / 2**20,
+        "phase": flextensor.phase(model),
+    }
+
+
+def scaling(device: str) -> list[dict[str, float]]:
+    rows = []
+    for units in SCALING_UNITS:
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.overhead", "--child", str(units), "--device", device],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--units", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(scaling_child(args.child, args.device)))
+        return 0
+    device = torch.device(args.device)
+    row = per_unit_overhead(device, args.units, args.hidden)
+    print(
+        f"per-unit host overhead on {device}: {row['per_unit_us']:.1f} us per streamed unit "
+        f"({row['streamed']} of {row['units']} streamed; host enqueue {row['native_host_ms']:.2f} ms "
+        f"native, {row['offloaded_host_ms']:.2f} ms offloaded)"
+    )
+    if not args.skip_scaling:
+        rows = scaling(args.device)
+        print(f"{'units':>8} {'offload s':>10} {'3 fwd s':>9} {'RSS MiB':>9} {'us/unit':>9} {'KiB/unit':>9}")
+        for r in rows:
+            per = (r["offload_s"] + r["three_forwards_s"]) / r["units"] * 1e6
+            print(
+                f"{r['units']:>8} {r['offload_s']:>10.2f} {r['three_forwards_s']:>9.2f} "
+                f"{r['rss_growth_mib']:>9.1f} {per:>9.1f} {r['rss_growth_mib'] * 1024 / r['units']:>9.1f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""Every hook flextensor puts on a model, the guards on its methods, and the bracketing of each forward.
+
+:class:`ModelHooks` owns every handle: the model-level pre/post pair that brackets a forward, one pre/post
+pair per hooked unit, the state-dict and load-state-dict hooks, and the guard on ``Module._apply``; they
+are added and removed together. What the unit hooks do is the controller's current step driver
+(``controller.step``: discovery, profiling, steady or recorded), so changing phase never re-registers a
+hook; only which units carry hooks changes (resident units carry none in steady state).
+
+:class:`ForwardBracket` tells the outermost forward apart from nested calls, refuses a second thread, and
+closes a forward that was interrupted by an exception PyTorch hands to no ``always_call`` hook
+(KeyboardInterrupt, SystemExit).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .errors import ConcurrentForwardError, UnsupportedOperationError
+from .units import Unit
+
+logger = logging.getLogger("flextensor")
+
+__all__ = ["Controller", "ForwardBracket", "ModelHooks"]
+
+
+class StepDriver(Protocol):
+    """What the unit hooks call; one implementation per phase (see engine.py)."""
+
+    def pre(self, unit: Unit) -> None: ...
+
+    def post(self, unit: Unit, output: Any) -> Any: ...
+
+
+class Controller(Protocol):
+    """What the hooks need from the engine."""
+
+    model: nn.Module
+    step: StepDriver
+    bracket: ForwardBracket
+
+    def begin_forward(self, args: tuple, kwargs: dict) -> None: ...
+
+    def end_forward(self, error: type[BaseException] | None) -> None: ...
+
+    def close_interrupted_forward(self) -> None: ...
+
+    def state_dict_entries(self, prefix: str) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+    def refuse_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
+
+
+class ForwardBracket:
+    """Depth and owner thread of the forward in progress.
+
+    ``enter`` returns True for the outermost call of the model; ``exit`` True when it ends. A call from
+    another thread while a forward runs raises ConcurrentForwardError (the weights share one arena).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self.depth = 0
+        self.owner: int | None = None
+        self._lock = threading.Lock()  # makes the owner check-and-set atomic between threads
+
+    @property
+    def running(self) -> bool:
+        """Whether a forward of the model is in progress (or was left unfinished by an interrupt)."""
+        return self.depth > 0
+
+    def claim(self) -> None:
+        """Take the model for this thread, or raise if another thread's forward runs."""
+        me = threading.get_ident()
+        with self._lock:
+            if self.owner is not None and self.owner != me:
+                raise ConcurrentForwardError(
+                    f"a forward of this offloaded {type(self._model).__name__} is already running in "
+                    "another thread; its weights share one device arena, so run forwards one at a time "
+                    "(use a lock) or offload one model per thread"
+                )
+            self.owner = me
+
+    def interrupted(self) -> bool:
+        """Whether a forward seems to run but the only call of the model on this thread's stack is this
+        one: the previous forward was interrupted without its end (a rare path: a stack walk)."""
+        if not self.depth:
+            return False
+        calls, frame = 0, sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is self._model:
+                calls += 1
+            frame = frame.f_back
+        return calls == 1
+
+    def reset(self) -> None:
+        self.depth = 0
+        self.owner = None
+
+    def is_foreign_thread(self) -> bool:
+        owner = self.owner
+        return owner is not None and owner != threading.get_ident()
+
+
+class ModelHooks:
+    """The hooks on one offloaded model; built by the engine, removed by :meth:`detach`."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+        self._model_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._unit_handles: dict[Unit, list[torch.utils.hooks.RemovableHandle]] = {}
+
+    @property
+    def hooked_units(self) -> set[Unit]:
+        return set(self._unit_handles)
+
+    def attach(self) -> None:
+        """The model-level hooks and guards (units are hooked by :meth:`hook_units`)."""
+        model = self._controller.model
+        self._model_handles += [
+            model.register_forward_pre_hook(self._model_pre, prepend=True, with_kwargs=True),
+            model.register_forward_hook(self._model_post, always_call=True),
+            # torch tags these hooks with attributes, which bound methods cannot carry: wrap in functions.
+            model.register_state_dict_post_hook(lambda *a: self._state_dict_from_host(*a)),
+            model.register_load_state_dict_pre_hook(lambda *a: self._refuse_load_state_dict(*a)),
+        ]
+        # model.to()/.half()/.cuda() that would give a streamed parameter new storage would detach it
+        # from the arena: guard them on the instance until release(). A no-op move (a diffusers
+        # pipeline's pipe.to("cuda") reaching an offloaded transformer) still goes through.
+        model._apply = self._guarded_apply  # type: ignore[method-assign]
+
+    def hook_units(self, wanted: Iterable[Unit]) -> None:
+        """Hook exactly the ``wanted`` units (plan time only): add missing pairs, remove the others."""
+        wanted = set(wanted)
+        for unit in [u for u in self._unit_handles if u not in wanted]:
+            for handle in self._unit_handles.pop(unit):
+                handle.remove()
+        for unit in wanted:
+            if unit not in self._unit_handles:
+                self._unit_handles[unit] = [
+                    unit.module.register_forward_pre_hook(self._unit_pre(unit), prepend=True),
+                    unit.module.register_forward_hook(self._unit_post(unit), always_call=True),
+                ]
+
+    def detach(self) -> None:
+        """Remove every hook and guard; safe to call twice."""
+        self._controller.model.__dict__.pop("_apply", None)
+        for handle in self._model_handles:
+            handle.remove()
+        self._model_handles.clear()
+        for handles in self._unit_handles.values():
+            for handle in handles:
+                handle.remove()
+        self._unit_handles.clear()
+
+    # -- the forward -----------------------------------------------------------------------------------------
+
+    def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        controller = self._controller
+        bracket = controller.bracket
+        bracket.claim()
+        if bracket.interrupted():
+            controller.close_interrupted_forward()
+            bracket.claim()
+        bracket.depth += 1
+        if bracket.depth == 1:
+            controller.begin_forward(args, kwargs)
+
+    def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        bracket = self._controller.bracket
+        if bracket.is_foreign_thread():
+            return  # the rejected call of a second thread
+        bracket.depth -= 1
+        if bracket.depth > 0:
+            return
+        # PyTorch calls always_call hooks from inside its exception handler when forward raised.
+        self._controller.end_forward(sys.exc_info()[0] if output is None else None)
+
+    def _unit_pre(self, unit: Unit) -> Callable[[nn.Module, tuple], None]:
+        controller = self._controller
+        bracket = controller.bracket
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            if bracket.is_foreign_thread():
+                raise ConcurrentForwardError(
+                    f"unit {unit.name!r} entered from a second thread while a forward runs; run forwards "
+                    "one at a time"
+                )
+            controller.step.pre(unit)
+
+        return hook
+
+    def _unit_post(self, unit: Unit) -> Callable[[nn.Module, tuple, Any], Any]:
+        controller = self._controller
+        bracket = controller.bracket
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            if bracket.is_foreign_thread():
+                return None  # the rejected call of a second thread: the running forward's state is not ours
+            return controller.step.post(unit, output)
+
+        return hook
+
+    # -- guards ------------------------------------------------------------------------------------------
+
+    def _state_dict_from_host(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        """A streamed parameter's arena range may hold another unit's bytes: report the kept copy."""
+        for key, tensor in self._controller.state_dict_entries(prefix):
+            if key in state_dict:
+                state_dict[key] = tensor
+
+    def _guarded_apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any
+    ) -> nn.Module:
+        """``nn.Module._apply``, but only when it leaves every streamed parameter where it is."""
+        self._controller.refuse_conversion(fn)
+        model = self._controller.model
+        return type(model)._apply(model, fn, *args, **kwargs)
+
+    def _refuse_load_state_dict(self, module: nn.Module, *args: Any) -> None:
+        raise UnsupportedOperationError(
+            "load_state_dict() on an offloaded model would write into the shared device arena; call "
+            "flextensor.release(model) first, load, then offload again"
+        )
+
+    def __repr__(self) -> str:
+        return f"ModelHooks({len(self._model_handles)} model hooks, {len(self._unit_handles)} units hooked)"

@@ -1,0 +1,201 @@
+"""Packing: a model's selected parameters into host packs, everything else to the device, all undoable.
+
+:class:`Packing` is a context manager around ``offload()``'s changes to the model. It packs each unit's
+parameters (into private pinned packs, or into the node's shared segment with ``share_host_memory``),
+moves the parameters and buffers that never stream to the device, and records everything it changed: if
+anything fails before :meth:`Packing.commit`, leaving the context puts every parameter and buffer back
+where and as it was (values, device, strides) and frees every pack.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig
+from .device import DeviceRuntime, Target
+from .errors import UnsupportedModelError
+from .host_store import PackedParameter, UnitPack, pack_unit
+from .progress import progress_bar
+from .selection import Selection
+from .units import Unit
+
+__all__ = ["Packing", "check_offloadable", "mark_offloaded", "unmark_offloaded"]
+
+_OFFLOADED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Every module of every model offloaded in this process: offloading one of them again would pack
+weights that already view another model's arena."""
+
+
+def check_offloadable(model: object) -> None:
+    """Raise UnsupportedModelError, before anything changes, for what offload() cannot take as it is."""
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"offload() takes a torch.nn.Module, got {type(model).__name__}")
+    for path, module in model.named_modules():
+        if module in _OFFLOADED_MODULES:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} contains {path or 'itself'}, a module of a model flextensor already "
+                "offloads; release that model first (flextensor.release) or offload it as a whole"
+            )
+        if hasattr(module, "_hf_hook"):
+            raise UnsupportedModelError(
+                f"module {path or '<root>'} carries accelerate hooks (cpu_offload, device_map dispatch), "
+                "which move weights on their own; remove them first with "
+                "accelerate.hooks.remove_hook_from_module(model, recurse=True) and load the weights"
+            )
+        if hasattr(module, "_diffusers_hook"):
+            raise UnsupportedModelError(
+                f"module {path or '<root>'} carries diffusers hooks (group offloading, layerwise casting); "
+                "remove them first (e.g. pipe.remove_all_hooks() or reload the model)"
+            )
+    for name, param in model.named_parameters():
+        if param.layout is not torch.strided:
+            raise UnsupportedModelError(
+                f"parameter {name!r} is {param.layout} (not a dense tensor), which flextensor cannot pack; "
+                "keep it out of offloading with exclude_patterns, or make it dense first"
+            )
+
+
+def mark_offloaded(model: nn.Module) -> None:
+    for module in model.modules():
+        _OFFLOADED_MODULES.add(module)
+
+
+def unmark_offloaded(model: nn.Module) -> None:
+    for module in model.modules():
+        _OFFLOADED_MODULES.discard(module)
+
+
+class Packing:
+    """Pack a selection's units and move the rest to the device; undo it all unless committed."""
+
+    def __init__(self, model: nn.Module, selection: Selection, target: Target) -> None:
+        self.model = model
+        self.selection = selection
+        self.target = target
+        self.runtime: DeviceRuntime = target.runtime
+        self.units: list[Unit] = []
+        self._packs: list[UnitPack] = []
+        self._packed: list[list[tuple[nn.Parameter, PackedParameter]]] = []  # per unit, as packed
+        self._original_devices = {id(p): p.device for p in model.parameters()}
+        self._moved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._moved_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+        # Meta parameters attached to a shared segment are new objects: (module, key, original, new).
+        self._swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        self._undo_first: list[Callable[[], None]] = []
+        self._done = False
+
+    def __enter__(self) -> Packing:
+        return self
+
+    def on_undo(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` first if the offload fails (e.g. remove the hooks an engine added)."""
+        self._undo_first.append(callback)
+
+    def pack_units(self, config: OffloadConfig) -> list[Unit]:
+        """Put every unit's parameters in host packs: private ones, or with ``config.share_host_memory``
+        ranges of the node's shared segment (which meta parameters may attach to, see shared_store)."""
+        self._check_resident_have_data()
+        pin = self.target.pin
+        params = dict(self.model.named_parameters())
+        modules = dict(self.model.named_modules())
+        named_units = [
+            (name, [(fqn, params[fqn]) for fqn in self.selection.unit_parameters[name]])
+            for name in self.selection.units
+        ]
+        total = sum(p.numel() * p.element_size() for _, named in named_units for _, p in named)
+        what = "Packing and pinning weights" if pin else "Packing weights"
+        with progress_bar(what, total=total, unit="bytes") as bar:
+            if config.share_host_memory:
+                from .shared_store import pack_shared
+
+                patterns = [list(config.include_patterns), list(config.exclude_patterns)]
+                shared = pack_shared(self.model, named_units, patterns, pin, bar.advance)
+                self._packs.extend(shared.packs)
+                self._swapped = shared.swapped
+                for (name, _), named, pack in zip(named_units, shared.parameters, shared.packs, strict=True):
+                    self._add_unit(name, modules[name], named, pack)
+            else:
+                for name, named in named_units:
+                    pack = pack_unit(name, named, pin)
+                    self._packs.append(pack)
+                    self._add_unit(name, modules[name], named, pack)
+                    bar.advance(sum(e.nbytes for e in pack.entries))
+        return self.units
+
+    def _add_unit(
+        self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], pack: UnitPack
+    ) -> None:
+        self._packed.append([(p, e) for (_, p), e in zip(named, pack.entries, strict=True)])
+        self.units.append(
+            Unit(
+                name=name,
+                index=len(self.units),
+                module=module,
+                pack=pack,
+                parameters=[(fqn, p, e) for (fqn, p), e in zip(named, pack.entries, strict=True)],
+                copy_done=self.runtime.event(),
+                compute_done=self.runtime.event(),
+            )
+        )
+
+    def _check_resident_have_data(self) -> None:
+        """Weights that stay on the device are never shared or packed: they must hold data."""
+        streamed = set(self.selection.streamed_parameters())
+        resident = [(n, "parameter", t) for n, t in self.model.named_parameters() if n not in streamed]
+        resident += [(n, "buffer", t) for n, t in self.model.named_buffers()]
+        for name, kind, tensor in resident:
+            if tensor.device.type == "meta":
+                raise UnsupportedModelError(
+                    f"{kind} {name!r} is on the meta device and holds no data; it is not offloaded, so "
+                    "it cannot come from a shared host copy either: load it (e.g. "
+                    "load_state_dict(..., assign=True)) before offload()"
+                )
+
+    def move_resident_to(self, device: torch.device) -> None:
+        """Move every parameter and buffer that never streams to ``device``, for good."""
+        streamed = {id(p) for u in self.units for _, p, _ in u.parameters}
+        for param in self.model.parameters():
+            if id(param) not in streamed and param.device != device:
+                self._moved.append((param, param.data))
+                param.data = param.data.to(device)
+        for module in self.model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != device:
+                    self._moved_buffers.append((module, key, buf))
+                    module._buffers[key] = buf.to(device)
+
+    def commit(self) -> None:
+        self._done = True
+        self._moved.clear()
+        self._moved_buffers.clear()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._done:
+            return
+        for callback in self._undo_first:
+            callback()
+        for param, original in self._moved:
+            param.data = original
+        for module, key, buf in self._moved_buffers:
+            module._buffers[key] = buf
+        for module, key, original_param, _ in self._swapped:
+            module._parameters[key] = original_param
+        swapped = {id(new) for _, _, _, new in self._swapped}
+        self.runtime.synchronize()  # copies issued so far may still read the packs
+        # Every parameter as packed, from the record made at pack time: the engine may have moved some
+        # out of their units since (weights kept resident). A plan from a saved profile may already have
+        # dropped resident units' packs: their weights are read from their device storage then.
+        for unit, packed in zip(self.units, self._packed, strict=True):
+            for param, entry in packed:
+                if id(param) in swapped:
+                    continue
+                original = self._original_devices[id(param)]
+                param.data = unit.kept(entry).to(original, copy=True)
+        # Freeing is idempotent; a pack the engine built again is only on its unit.
+        for pack in [*self._packs, *(u.pack for u in self.units if u.pack is not None)]:
+            pack.free()

@@ -1,0 +1,33 @@
+"""The plan: which offload units stay on the device and how large the arena the others stream through is.
+
+Pure data (saved in profiles), the contract between the planner (which makes plans), the simulator
+(which predicts them) and the engine (which lays them out). No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .json_codec import Bytes, Seconds, record
+
+__all__ = ["Plan"]
+
+
+@record
+@dataclass(frozen=True)
+class Plan:
+    """Where every offload unit's weights live in steady state.
+
+    ``resident``: units whose weights are copied to the device once and stay, in execution order.
+    ``streamed``: units streamed through the arena, in execution order.
+    ``arena_bytes``: size of the device arena the streamed units share (see [Note: ring layout]).
+    ``predicted_step_s`` / ``predicted_peak_bytes``: the simulator's prediction for this plan.
+    ``budget_bytes``: the budget it was made for (None: none).
+    """
+
+    resident: tuple[str, ...]
+    streamed: tuple[str, ...]
+    arena_bytes: Bytes
+    predicted_step_s: Seconds = 0.0
+    predicted_peak_bytes: Bytes = 0
+    budget_bytes: Bytes | None = None

@@ -1,0 +1,136 @@
+"""Which plan serves which inputs, and the limits a plan must fit on this device.
+
+Plans are cached per *input signature*: the bucketed shapes of the tensors a forward receives (see
+:func:`input_signature`). :class:`PlanPolicy` makes plans under the budget (or, without one, within the
+device's share), below the peak of a plan whose layout ran out of memory, and chooses which resident
+units stay resident while a new input shape is profiled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .device import DeviceRuntime
+from .layout import minimal_arena_bytes
+from .measurements import Measurements
+from .plan import Plan
+from .planner import minimal_need_bytes, plan_offload, residents_within
+from .units import Unit
+
+logger = logging.getLogger("flextensor")
+
+__all__ = ["FAILED_LAYOUT_SHRINK", "NO_BUDGET_DEVICE_FRACTION", "PlanEntry", "PlanPolicy", "input_signature"]
+
+NO_BUDGET_DEVICE_FRACTION = 0.92
+"""Without a budget the plan still has to fit the device: this share of its memory, leaving room for the
+caching allocator's fragmentation and other processes' contexts."""
+
+FAILED_LAYOUT_SHRINK = 0.9
+"""After a plan's layout ran out of memory, the next plan's predicted peak stays under this share of it."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """A plan and the measurements it was made from, cached per input signature."""
+
+    measurements: Measurements
+    plan: Plan
+
+
+class PlanPolicy:
+    """Plans for one offloaded model on its device (see the module docstring)."""
+
+    def __init__(self, runtime: DeviceRuntime, budget_bytes: int | None) -> None:
+        self.runtime = runtime
+        self.budget_bytes = budget_bytes
+        self.failed_peak_bytes: int | None = None  # predicted peak of a plan whose layout ran out of memory
+
+    def memory_limit(self) -> int | None:
+        """What a plan must fit: the budget, or without one the device's share (None when the device's
+        size is unknown, as on a CPU)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        capacity = self.runtime.total_memory()
+        return None if capacity is None else int(NO_BUDGET_DEVICE_FRACTION * capacity)
+
+    def make_plan(self, measurements: Measurements) -> Plan:
+        """The plan for ``measurements``: under the budget; without one, within the device's share; and
+        below the peak of a plan whose layout ran out of memory."""
+        plan = plan_offload(measurements, self.budget_bytes)
+        limit = self.memory_limit()
+        if self.failed_peak_bytes is not None:
+            # Never below the smallest plan: that one is retried as it is rather than refused.
+            shrunk = int(FAILED_LAYOUT_SHRINK * self.failed_peak_bytes)
+            shrunk = max(shrunk, minimal_need_bytes(measurements)[0])
+            limit = shrunk if limit is None else min(limit, shrunk)
+        if limit is not None and plan.predicted_peak_bytes > limit:
+            logger.info("the plan would not fit the memory left; planning for %d bytes", limit)
+            plan = plan_offload(measurements, limit)
+        return plan
+
+    def layout_failed(self, plan: Plan, error: BaseException) -> None:
+        if isinstance(error, torch.OutOfMemoryError):
+            # The device had less room than measured (memory taken since, fragmentation): the next
+            # plan asks for less, or raises BudgetError, rather than failing the same way again.
+            self.failed_peak_bytes = plan.predicted_peak_bytes
+
+    def layout_landed(self) -> None:
+        self.failed_peak_bytes = None  # what failed was that layout, not this device for good
+
+    def profiling_residents(
+        self,
+        units: Iterable[Unit],
+        order: Sequence[Unit],
+        plans: Mapping[tuple[str, ...], PlanEntry],
+        device_bytes_held: int,
+    ) -> set[str]:
+        """The units kept resident while a new input shape is profiled: those resident now, as far as
+        memory allows.
+
+        Where a unit's weights live changes none of what profiling measures (compute time, activation
+        memory; copy times come from the link model), and keeping them spares rebuilding their packs. The
+        new shape's activations are unknown until it runs, though: under a memory limit (the budget, or
+        the device's share without one) units stream instead until the layout leaves room for the largest
+        activation peak measured so far.
+        """
+        units = list(units)
+        resident = {u.name: u.nbytes for u in units if u.resident}
+        limit = self.memory_limit()
+        if limit is None or not resident:
+            return set(resident)
+        reserve = max((e.measurements.activation_peak_bytes for e in plans.values()), default=0)
+        fixed = max(0, self.runtime.memory_allocated() - device_bytes_held)  # weights, user tensors
+        in_order = set(order)
+        streamed = [u.nbytes for u in order if u.name not in resident]
+        # Units that never ran are loaded on demand at the arena's start: the arena holds the largest.
+        idle = minimal_arena_bytes([u.nbytes for u in units if u not in in_order])
+        kept = residents_within(resident, streamed, limit - fixed - reserve, arena_floor=idle)
+        if len(kept) < len(resident):
+            logger.info(
+                "profiling streams %d of the %d resident unit(s), to leave room for activations",
+                len(resident) - len(kept),
+                len(resident),
+            )
+        return kept
+
+
+def _bucket(n: int) -> int:
+    """Round a dimension up to a power of two: a decode loop whose mask grows by one each step re-plans
+    log2(length) times, not every step."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """Bucketed shapes of the tensors passed to the model's forward: what the plan's activations depend
+    on. Each dimension is rounded up to a power of two (see _bucket)."""
+    shapes = [
+        f"{i}:{tuple(map(_bucket, a.shape))}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+    ]
+    shapes += [
+        f"{k}:{tuple(map(_bucket, v.shape))}" for k, v in kwargs.items() if isinstance(v, torch.Tensor)
+    ]
+    return tuple(shapes)

@@ -1,0 +1,322 @@
+"""The device store: the arena, which unit occupies which bytes, and moving weights between host and device.
+
+[Note: static arena aliasing]
+Every streamed parameter's ``.data`` is, for good, a view into its unit's fixed range of the device arena
+(see [Note: ring layout] in layout.py). Loading a unit is therefore one ``copy_`` of its packed host buffer
+into that range, and the hot path touches no parameter at all: per unit it is one stream wait in the
+pre-hook, one event record and at most a few copies in the post-hook. Whether a range holds a unit's
+weights is its occupancy (see [Note: occupancy cells]), so a unit run out of the learned order is simply
+loaded on demand and the output stays right.
+
+Ordering uses events only: a copy waits (on the device) for the compute that last read its range; compute
+waits for the copy. No ``record_stream`` is needed because the arena is never handed back to the caching
+allocator while streaming: it is replaced only when a layout changes (a new plan, new input shapes), and
+:meth:`DeviceStore.lay_out` synchronises the device before it lets go of the old one.
+
+[Note: one copy of a resident unit]
+A unit resident in every saved plan never streams, so once a plan is in place its private host pack is
+freed (unpinned and unmapped): its device storage holds the only copy of its weights (DEVICE_ONLY), and
+host RAM holds little more than what streams. A unit some saved plan streams keeps its pack (RESIDENT), so
+that switching between plans (prefill and decode) re-pins nothing. Packs in a segment shared with other
+processes (``share_host_memory``) stay: those read it. Before a resident unit's storage is ever freed (a
+plan that streams it, profiling, ``release``) its pack is built again, or refreshed when its weights were
+edited in place, from that storage with one device-to-host copy: every weight is always in a pack or in
+resident storage (``Unit.kept``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .device import DeviceRuntime
+from .errors import PinningError, PlanError
+from .host_store import UnitPack
+from .layout import UNIT_ALIGNMENT, minimal_arena_bytes, occupancy_cells, ring_layout
+from .sizes import align_up, format_bytes
+from .units import Placement, Unit
+
+logger = logging.getLogger("flextensor")
+
+__all__ = ["DeviceStore", "StoreCounters", "allocate_device_bytes", "copy_into_range", "holds_weights"]
+
+
+def allocate_device_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of uninitialised device memory: every arena and resident storage comes from here (one
+    place to see, and for tests to fail, what a layout allocates)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def holds_weights(unit: Unit, owner: list[Unit | None]) -> bool:
+    """Whether ``unit``'s arena range holds its weights (or their copy is in flight): it occupies every
+    cell of its range."""
+    for cell in unit.cells:  # noqa: SIM110 (a loop, not all(): this runs per unit per forward)
+        if owner[cell] is not unit:
+            return False
+    return True
+
+
+def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -> None:
+    """Issue the copy of ``unit``'s pack into its arena range; the copy stream must be current.
+
+    The cells are emptied before the bytes change and claimed only once the copy and its event are
+    issued: an interrupt (Ctrl-C) anywhere in between leaves them unowned, so every unit there loads again
+    rather than compute with bytes that are not its own.
+    """
+    cells = unit.cells
+    for cell in cells:
+        owner[cell] = None
+    unit.storage.copy_(unit.pack.buffer, non_blocking=True)  # type: ignore[union-attr]
+    unit.copy_done.record(copy_stream)
+    for cell in cells:
+        owner[cell] = unit
+
+
+@dataclass
+class StoreCounters:
+    """What the store did since offload(): resident uploads, packs built again, on-demand loads."""
+
+    uploads: int = 0
+    pack_rebuilds: int = 0
+    layouts: int = 0
+
+
+class DeviceStore:
+    """One offloaded model's device bytes: the arena, resident storage, occupancy, host packs' lifecycle.
+
+    Plan-time methods synchronise the device and may loop over parameters; the hot path only reads
+    ``owner`` and the units' fields (see steady.py).
+    """
+
+    def __init__(self, units: Sequence[Unit], runtime: DeviceRuntime, pin: bool) -> None:
+        self.units = list(units)
+        self.runtime = runtime
+        self.pin = pin  # for packs built again
+        self.arena: torch.Tensor | None = None
+        self.owner: list[Unit | None] = []  # per occupancy cell: whose weights its bytes are
+        self.counters = StoreCounters()
+
+    # -- layout -------------------------------------------------------------------------------------------
+
+    def lay_out(self, streamed: Sequence[Unit], resident: Iterable[Unit], arena_bytes: int) -> None:
+        """Give every unit its device bytes: own storage if resident, a range of the arena otherwise.
+
+        ``streamed`` in execution order; units in neither list (never seen running) get a range at the
+        arena's start and load on demand if they ever run. Plan time only: synchronises the device and
+        re-points parameters. A unit resident before and after keeps its storage, so switching between
+        cached plans uploads only the units that enter residency.
+        """
+        # Device buffers are normal tensors even when a forward under inference_mode lays them out:
+        # inference tensors carry no version counter, which in-place edits of weights are detected by.
+        with torch.inference_mode(False), torch.no_grad():
+            self._lay_out(streamed, resident, arena_bytes)
+
+    def _lay_out(self, streamed: Sequence[Unit], resident: Iterable[Unit], arena_bytes: int) -> None:
+        resident = set(resident)
+        both = resident.intersection(streamed)
+        if both:  # a hand-edited profile could say so; the planner never does
+            raise PlanError(f"units both resident and streamed in one layout: {sorted(u.name for u in both)}")
+        self.runtime.synchronize()
+        for unit in self.units:
+            if unit.resident and unit not in resident:
+                self._refresh_pack(unit)  # before its storage, maybe the only copy, is freed
+        kept = self._free_device_bytes(resident)
+
+        in_order = set(streamed)
+        idle = [u for u in self.units if u not in resident and u not in in_order]
+        idle_need = minimal_arena_bytes([u.nbytes for u in idle])
+        if idle_need > arena_bytes and streamed:
+            logger.warning(
+                "units that never ran (%s) need a %s arena, more than the %s planned: the arena grows to "
+                "hold them, beyond what the plan (and any budget) accounted for; exclude modules the "
+                "model does not run",
+                ", ".join(u.name for u in idle[:3]),
+                format_bytes(idle_need),
+                format_bytes(arena_bytes),
+            )
+        arena_bytes = max(arena_bytes, idle_need, minimal_arena_bytes([u.nbytes for u in streamed]))
+        layout = ring_layout([u.name for u in streamed], [u.nbytes for u in streamed], arena_bytes)
+        self.arena = (
+            allocate_device_bytes(arena_bytes, self.runtime.device) if arena_bytes else None
+        )
+        for unit in self.units:
+            if unit in resident and unit not in kept:
+                self._upload_resident(unit)
+
+        # Units never seen running are loaded on demand at the arena's start if they ever run.
+        placed = [*streamed, *idle]
+        offsets = [*layout.offsets, *(0 for _ in idle)]
+        ranges = [
+            (offset, align_up(u.nbytes, UNIT_ALIGNMENT)) for u, offset in zip(placed, offsets, strict=True)
+        ]
+        cells = occupancy_cells(ranges)
+        self.owner = [None] * (1 + max((c[-1] for c in cells if c), default=-1))
+        for unit, (offset, _), unit_cells in zip(placed, ranges, cells, strict=True):
+            assert self.arena is not None
+            unit.storage = self.arena[offset : offset + unit.nbytes]
+            unit.cells = unit_cells
+            unit.placement = Placement.STREAMED
+            unit.point_parameters()
+        for position, unit in enumerate(streamed):
+            unit.prefetch_next = tuple(streamed[k] for k in layout.prefetch_after[position])
+        self.counters.layouts += 1
+        self._warm_start(streamed)
+
+    def _free_device_bytes(self, staying: set[Unit]) -> set[Unit]:
+        """Drop the arena and every unit's storage except that of units resident now and in ``staying``;
+        return those kept, whose storage, bytes and parameters are left as they are.
+
+        Runs before the new layout allocates anything, so that its storage and arena can reuse what is
+        freed here: the peak of a switch is the larger of the two layouts, not their sum.
+        """
+        kept = {u for u in self.units if u in staying and u.resident and u.storage is not None}
+        for unit in self.units:
+            unit.prefetch_next = ()  # a streamed unit's are recomputed for the new layout
+            if unit in kept:
+                continue
+            for _, param, entry in unit.parameters:
+                # Drop the views first: a parameter still viewing the arena would keep it allocated.
+                param.data = torch.empty(0, dtype=entry.dtype, device=self.runtime.device)
+            unit.storage = None
+            unit.cells = ()
+            unit.placement = Placement.HOST
+        self.arena = None
+        self.owner = []
+        return kept
+
+    def _upload_resident(self, unit: Unit) -> None:
+        """Give a unit entering residency storage of its own, holding its weights for good."""
+        assert unit.pack is not None  # only a unit with device storage may lack its pack
+        storage = allocate_device_bytes(unit.nbytes, self.runtime.device)
+        storage.copy_(unit.pack.buffer)
+        unit.storage = storage
+        unit.point_parameters()
+        unit.storage_version = storage._version
+        unit.placement = Placement.RESIDENT  # last: a failed upload leaves the unit to be freed and retried
+        unit.uploads += 1
+        self.counters.uploads += 1
+
+    def _warm_start(self, order: Sequence[Unit]) -> None:
+        """Copy in the first units of the order that do not overlap each other, ahead of the next forward."""
+        if not order:
+            return
+        previous = self.runtime.current_stream()
+        stream = self.runtime.copy_stream
+        self.runtime.set_stream(stream)
+        try:
+            for unit in order:
+                if any(self.owner[cell] is not None for cell in unit.cells):
+                    break
+                copy_into_range(unit, self.owner, stream)
+        finally:
+            self.runtime.set_stream(previous)
+
+    def drop_packs(self, resident_everywhere: set[str]) -> None:
+        """Free the private host pack of every resident unit named in ``resident_everywhere`` (resident in
+        every saved plan): its storage is the only copy it needs (see [Note: one copy of a resident
+        unit]). Plan time only, after lay_out, whose uploads have completed."""
+        for unit in self.units:
+            pack = unit.pack
+            if unit.name in resident_everywhere and unit.resident and pack is not None and not pack.shared:
+                if unit.storage is not None and unit.storage._version != unit.storage_version:
+                    continue  # edited in place since the upload: the pack is refreshed when it streams
+                pack.free()
+                unit.pack = None
+                unit.placement = Placement.DEVICE_ONLY
+
+    def _refresh_pack(self, unit: Unit) -> None:
+        """Make a resident unit's host pack hold what its device storage holds, before that storage goes:
+        build it again if it was dropped, copy into it if the weights were edited in place. Plan time only,
+        on a synchronised device."""
+        assert unit.storage is not None
+        edited = unit.storage._version != unit.storage_version
+        if unit.pack is not None and not edited:
+            return
+        if unit.pack is None:
+            try:
+                pack = UnitPack(unit.name, unit.entries, unit.nbytes, self.pin)
+            except PinningError as exc:  # page-locking refused (memlock limit): slower copies, same bytes
+                logger.warning("%s; unit %s streams from pageable memory instead", exc, unit.name)
+                pack = UnitPack(unit.name, unit.entries, unit.nbytes, False)
+            try:
+                pack.buffer.copy_(unit.storage)  # synchronous: the pack is whole when this returns
+            except BaseException:
+                pack.free()
+                raise
+            unit.pack = pack
+            unit.pack_rebuilds += 1
+            self.counters.pack_rebuilds += 1
+        else:
+            unit.pack.buffer.copy_(unit.storage)
+        unit.storage_version = unit.storage._version
+
+    # -- loading ------------------------------------------------------------------------------------------
+
+    def forget_contents(self) -> None:
+        """Something other than a unit's copy wrote over the arena (the link probe): no unit holds its
+        weights there any more."""
+        self.owner = [None] * len(self.owner)
+
+    def load_on_demand(self, unit: Unit, compute_stream: object) -> None:
+        """Copy ``unit`` in now, after the compute that last read any of its cells; used when a unit runs
+        out of the learned order and while learning. Leaves ``compute_stream`` current."""
+        stream = self.runtime.copy_stream
+        self.runtime.set_stream(stream)
+        try:
+            for cell in unit.cells:
+                occupant = self.owner[cell]
+                if occupant is not None and occupant is not unit:
+                    stream.wait_event(occupant.compute_done)  # type: ignore[attr-defined]
+            copy_into_range(unit, self.owner, stream)
+        finally:
+            self.runtime.set_stream(compute_stream)
+
+    # -- accounting ---------------------------------------------------------------------------------------
+
+    def arena_bytes(self) -> int:
+        return 0 if self.arena is None else self.arena.numel()
+
+    def device_bytes_held(self) -> int:
+        """Device bytes held for units: the arena and resident units' storage."""
+        return self.arena_bytes() + sum(u.nbytes for u in self.units if u.resident)
+
+    def host_bytes_held(self) -> int:
+        """Host bytes held for units: their packs (a shared pack counts its range of the segment)."""
+        return sum(u.pack.held_bytes for u in self.units if u.pack is not None)
+
+    # -- release ------------------------------------------------------------------------------------------
+
+    def build_released(self, target: torch.device) -> dict[int, torch.Tensor]:
+        """A private copy of every unit parameter's weights on ``target``, keyed by id(parameter). Swaps
+        nothing: a failure here (out of memory) leaves the store as it was."""
+        self.runtime.synchronize()
+        built: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            for _, param, entry in unit.parameters:
+                # A copy each, also from a resident unit's storage on the target: a view would keep the
+                # unit's padded storage alive and shared (which safetensors and torch.save refuse).
+                built[id(param)] = unit.kept(entry).to(target, copy=True)
+        return built
+
+    def free_everything(self) -> None:
+        """Let go of the arena, every storage and every pack (after the parameters got their own copies)."""
+        for unit in self.units:
+            unit.storage = None
+            unit.cells = ()
+            unit.prefetch_next = ()
+            unit.placement = Placement.HOST
+            if unit.pack is not None:
+                unit.pack.free()
+                unit.pack = None
+        self.arena = None
+        self.owner = []
+
+    def __repr__(self) -> str:
+        streamed = sum(1 for u in self.units if u.placement is Placement.STREAMED)
+        return (
+            f"DeviceStore({len(self.units)} units, {streamed} streamed, arena "
+            f"{format_bytes(self.arena_bytes())}, device {self.runtime.device})"
+        )

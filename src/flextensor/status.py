@@ -1,0 +1,116 @@
+"""``flextensor.status(model)``: a read-only snapshot of an offloaded model's state.
+
+What a person (or a test) may ask of the engine without reaching into it: the phase, each unit's
+placement and bytes, the plan in force and every plan cached per input signature, and how often the
+store moved weights. Building one costs a pass over the units; the forwards pay nothing for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .plan import Plan
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+__all__ = ["OffloadStatus", "UnitStatus", "status_of"]
+
+
+@dataclass(frozen=True)
+class UnitStatus:
+    """One offload unit: ``placement`` is ``"host"``, ``"streamed"``, ``"resident"`` or ``"device_only"``
+    (resident with no host copy); ``host_bytes`` the host memory its pack holds (0 without one);
+    ``pinned`` / ``shared`` describe that pack; ``uploads`` / ``pack_rebuilds`` count how often it was
+    given resident storage and had its pack built again from it."""
+
+    name: str
+    nbytes: int
+    placement: str
+    host_bytes: int
+    pinned: bool
+    shared: bool
+    uploads: int
+    pack_rebuilds: int
+
+
+@dataclass(frozen=True)
+class OffloadStatus:
+    """A snapshot of one offloaded model (see the module docstring).
+
+    ``units``: in execution order once discovered. ``plans``: every plan made so far, keyed by the
+    bucketed input signature it serves (see ``flextensor.engine.input_signature``); ``plan`` the one in
+    force (None while learning). ``forward_running``: a forward is in progress on some thread.
+    ``uploads``: resident units copied to the device; ``pack_rebuilds``: host packs built again from
+    device storage; ``layouts``: device layouts made (plans applied, profiling layouts).
+    """
+
+    model: str
+    device: str
+    phase: str
+    forwards: int
+    forward_running: bool
+    units: tuple[UnitStatus, ...]
+    plan: Plan | None
+    plans: Mapping[tuple[str, ...], Plan]
+    input_signature: tuple[str, ...] | None
+    arena_bytes: int
+    device_bytes_held: int
+    host_bytes_held: int
+    uploads: int
+    pack_rebuilds: int
+    layouts: int
+
+    def unit(self, name: str) -> UnitStatus:
+        """The status of the unit ``name`` (KeyError if it is not an offload unit)."""
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(name)
+
+    @property
+    def streamed(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units if u.placement == "streamed")
+
+    @property
+    def resident(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units if u.placement in ("resident", "device_only"))
+
+
+def status_of(engine: OffloadEngine) -> OffloadStatus:
+    """The snapshot of ``engine``."""
+    in_order = set(engine.order)
+    ordered = [*engine.order, *(u for u in engine.units.values() if u not in in_order)]
+    units = tuple(
+        UnitStatus(
+            name=u.name,
+            nbytes=u.nbytes,
+            placement=u.placement.value,
+            host_bytes=0 if u.pack is None else u.pack.held_bytes,
+            pinned=u.pack is not None and u.pack.pinned,
+            shared=u.pack is not None and u.pack.shared,
+            uploads=u.uploads,
+            pack_rebuilds=u.pack_rebuilds,
+        )
+        for u in ordered
+    )
+    counters = engine.store.counters
+    return OffloadStatus(
+        model=type(engine.model).__name__,
+        device=str(engine.runtime.device),
+        phase=engine.phase.value,
+        forwards=engine.forwards,
+        forward_running=engine.bracket.running,
+        units=units,
+        plan=None if engine.current is None else engine.current.plan,
+        plans={key: entry.plan for key, entry in engine.plans.items()},
+        input_signature=engine.signature,
+        arena_bytes=engine.store.arena_bytes(),
+        device_bytes_held=engine.store.device_bytes_held(),
+        host_bytes_held=engine.store.host_bytes_held(),
+        uploads=counters.uploads,
+        pack_rebuilds=counters.pack_rebuilds,
+        layouts=counters.layouts,
+    )

@@ -1,0 +1,137 @@
+"""The steady-state hot path: the only code that runs per streamed unit per forward once a plan is in place.
+
+A streamed unit's pre-hook makes the compute stream wait for its copy (loading it first when it runs out
+of the learned order); its post-hook records that its compute is done and issues the copies the ring
+layout schedules after it (``Unit.prefetch_next``), on the copy stream, each after that compute. Per unit:
+one event wait, one event record, and for the units with copies to issue one switch to the copy stream and
+back, one wait and the copies. No phase, recorder or grad branch: the forward's driver is chosen once at
+its start (:class:`SteadyStep`, or :class:`RecordedStep` for a recorded step), and the compute stream is
+looked up once per forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .slots import DeviceStore, copy_into_range, holds_weights
+from .timeline import StepRecorder
+from .units import Placement, Unit
+
+__all__ = ["OutsideForwardStep", "RecordedStep", "SteadyStep"]
+
+
+class SteadyStep:
+    """Pre/post of the streamed units for one steady forward (see the module docstring)."""
+
+    __slots__ = ("compute", "copy", "owner", "set_stream", "store")
+
+    def __init__(self, store: DeviceStore) -> None:
+        self.store = store
+        self.copy = store.runtime.copy_stream
+        self.set_stream = store.runtime.set_stream
+        self.compute: Any = None
+        self.owner: list[Unit | None] = []
+
+    def begin(self) -> None:
+        """Once per forward: the compute stream of this forward, the occupancy of the current layout."""
+        self.compute = self.store.runtime.current_stream()
+        self.owner = self.store.owner
+
+    def pre(self, unit: Unit) -> None:
+        if not holds_weights(unit, self.owner):
+            self.store.load_on_demand(unit, self.compute)  # out of the learned order
+        self.compute.wait_event(unit.copy_done)
+
+    def post(self, unit: Unit, output: Any) -> None:
+        compute = self.compute
+        unit.compute_done.record(compute)
+        owner = self.owner
+        pending = [u for u in unit.prefetch_next if not holds_weights(u, owner)]
+        if pending:
+            copy = self.copy
+            self.set_stream(copy)
+            try:
+                copy.wait_event(unit.compute_done)
+                for upcoming in pending:
+                    copy_into_range(upcoming, owner, copy)
+            finally:
+                self.set_stream(compute)
+
+
+class RecordedStep(SteadyStep):
+    """A steady forward that also records device timings for ``report`` and ``trace``."""
+
+    __slots__ = ("recorder",)
+
+    def __init__(self, store: DeviceStore, recorder: StepRecorder) -> None:
+        super().__init__(store)
+        self.recorder = recorder
+
+    def begin(self) -> None:
+        super().begin()
+        self.recorder.begin()
+
+    def pre(self, unit: Unit) -> None:
+        recorder = self.recorder
+        recorder.wait_start(unit.name, unit.resident, unit.nbytes)
+        if not unit.resident:
+            if not holds_weights(unit, self.owner):
+                self._timed_copies(unit, (), on_demand=True)
+            self.compute.wait_event(unit.copy_done)
+        recorder.compute_start(unit.name)
+
+    def post(self, unit: Unit, output: Any) -> None:
+        self.recorder.compute_end(unit.name)
+        if unit.resident:
+            return
+        unit.compute_done.record(self.compute)
+        pending = [u for u in unit.prefetch_next if not holds_weights(u, self.owner)]
+        if pending:
+            self._timed_copies(unit, pending, on_demand=False)
+
+    def _timed_copies(self, unit: Unit, pending: list[Unit], on_demand: bool) -> None:
+        copy, owner = self.copy, self.owner
+        self.set_stream(copy)
+        try:
+            if on_demand:
+                pending = [unit]
+                for cell in unit.cells:
+                    occupant = owner[cell]
+                    if occupant is not None and occupant is not unit:
+                        copy.wait_event(occupant.compute_done)
+            else:
+                copy.wait_event(unit.compute_done)
+            for upcoming in pending:
+                start, end = self.recorder.copy_events(upcoming.name, upcoming.nbytes)
+                start.record(copy)
+                copy_into_range(upcoming, owner, copy)
+                end.record(copy)
+        finally:
+            self.set_stream(self.compute)
+
+
+class OutsideForwardStep:
+    """A unit called outside any forward of its model (a user calling one block): load it on demand on
+    whatever stream is current, and mark its compute so later copies wait for it. ``ensure_layout`` gives
+    units device bytes again when a failed layout left them without."""
+
+    __slots__ = ("ensure_layout", "store")
+
+    def __init__(self, store: DeviceStore, ensure_layout: Callable[[], None]) -> None:
+        self.store = store
+        self.ensure_layout = ensure_layout
+
+    def pre(self, unit: Unit) -> None:
+        if unit.placement is Placement.HOST:
+            self.ensure_layout()
+        if unit.resident:
+            return
+        compute = self.store.runtime.current_stream()
+        if not holds_weights(unit, self.store.owner):
+            self.store.load_on_demand(unit, compute)
+        compute.wait_event(unit.copy_done)
+
+    def post(self, unit: Unit, output: Any) -> None:
+        if not unit.resident:
+            unit.compute_done.record(self.store.runtime.current_stream())

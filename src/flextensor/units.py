@@ -1,0 +1,103 @@
+"""Offload units: one module's streamable parameters, where their weights are, and the events guarding them.
+
+A unit's placement is one of :class:`Placement`; the device store (slots.py) moves units between them at
+plan time. Whether a streamed unit's arena range holds its weights right now is not a flag on the unit:
+it is the range's occupancy (see [Note: occupancy cells] in layout.py), so loading a unit evicts the
+units it overlaps without visiting them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .host_store import PackedParameter, UnitPack
+
+__all__ = ["Placement", "Unit"]
+
+
+class Placement(enum.Enum):
+    """Where a unit's weights are, and what that costs on each side of the link.
+
+    HOST: only in its host pack; its parameters view the pack or hold empty placeholders while a layout
+        is being replaced. Device: nothing. Host: its pack.
+    STREAMED: its parameters view a fixed range of the arena, shared with other units; the range holds
+        its weights while it is the occupant of all the range's cells (a copy of its pack puts them
+        there). Device: its share of the arena. Host: its pack (pinned on CUDA).
+    RESIDENT: device storage of its own, loaded once; the host pack is kept because some saved plan
+        streams the unit. Device: its bytes. Host: its pack.
+    DEVICE_ONLY: device storage of its own, and no host pack: the unit is resident in every saved plan,
+        so the storage is the only copy of its weights (see [Note: one copy of a resident unit] in
+        slots.py). Device: its bytes. Host: nothing.
+    """
+
+    HOST = "host"
+    STREAMED = "streamed"
+    RESIDENT = "resident"
+    DEVICE_ONLY = "device_only"
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the unit has device storage of its own (not an arena range)."""
+        return self in (Placement.RESIDENT, Placement.DEVICE_ONLY)
+
+
+@dataclass(eq=False)
+class Unit:
+    """One offload unit. ``index`` is its position in the engine's list (stable for the model's life).
+
+    ``parameters``: (FQN, parameter, where it sits in the pack); ``entries`` and ``nbytes`` are the
+    pack's layout, kept to build the pack again after it was dropped. ``storage``: the unit's device bytes
+    (its own, or its arena range), None in HOST. ``cells``: the occupancy cells its arena range covers.
+    ``prefetch_next``: the units whose copies its post-hook issues in steady state, nearest first.
+    ``storage_version``: the device storage's version counter when its contents last matched the pack
+    (an in-place edit of a resident unit's weights bumps it).
+    """
+
+    name: str
+    index: int
+    module: nn.Module
+    pack: UnitPack | None
+    parameters: list[tuple[str, nn.Parameter, PackedParameter]]
+    copy_done: Any
+    compute_done: Any
+    placement: Placement = Placement.HOST
+    storage: torch.Tensor | None = None
+    cells: tuple[int, ...] = ()
+    prefetch_next: tuple[Unit, ...] = ()
+    storage_version: int = 0
+    uploads: int = 0  # times given resident storage (a plan switch that keeps it resident uploads nothing)
+    pack_rebuilds: int = 0  # times its host pack was built again from device storage
+    entries: tuple[PackedParameter, ...] = field(init=False)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert self.pack is not None, "a unit starts with its weights packed on the host"
+        self.entries, self.nbytes = self.pack.entries, self.pack.nbytes
+
+    @property
+    def resident(self) -> bool:
+        return self.placement.on_device
+
+    def kept(self, entry: PackedParameter) -> torch.Tensor:
+        """One parameter's weights where they are kept for sure: the device storage of a resident unit
+        (what it computes with, edits included), else the host pack. Never a streamed unit's arena range,
+        which may hold another unit's bytes."""
+        if self.placement.on_device:
+            assert self.storage is not None
+            return entry.view(self.storage)
+        assert self.pack is not None, f"unit {self.name!r} lost its weights"
+        return self.pack.view(entry)
+
+    def point_parameters(self) -> None:
+        """Alias every parameter to its place in ``storage`` (plan time only)."""
+        assert self.storage is not None
+        for _, param, entry in self.parameters:
+            param.data = entry.view(self.storage)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, {self.nbytes} bytes, {self.placement.value})"
