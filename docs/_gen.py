@@ -27,7 +27,7 @@ ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 import flextensor  # noqa: E402
-from flextensor import config as config_module  # noqa: E402
+from flextensor import config_sources  # noqa: E402
 from flextensor.cli import build_parser  # noqa: E402
 from flextensor.reporting import Report, UnitReport  # noqa: E402
 
@@ -44,6 +44,9 @@ SECTIONS: list[tuple[str, list[str]]] = [
     (
         "Introspection",
         [
+            "status",
+            "OffloadStatus",
+            "UnitStatus",
             "report",
             "record_next_step",
             "trace",
@@ -58,28 +61,24 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "FlexTensorError",
             "ConfigError",
             "SelectionError",
+            "UnsupportedModelError",
             "AlreadyOffloadedError",
             "NotOffloadedError",
+            "UnsupportedOperationError",
             "BudgetError",
+            "PlanError",
             "ProfileError",
+            "PinningError",
+            "SharedMemoryError",
             "ConcurrentForwardError",
             "BackwardNotSupportedError",
+            "NoCudaError",
         ],
     ),
     ("Version", ["__version__"]),
 ]
 RETURNED_TYPES = [Report, UnitReport]
 """Types not in ``__all__`` that a public function returns: documented so their fields are known."""
-
-ENV_SYNTAX = {
-    "_env_list": "comma-separated list",
-    "_env_int": "integer",
-    "_env_float": "number",
-    "_env_bool": "1/0, true/false, yes/no, on/off",
-    "_env_str": "text, checked like the field's value",
-}
-"""How each environment-variable parser in flextensor.config reads its value."""
-
 
 # --------------------------------------------------------------------------------------------------------
 # Docstrings (reST and Google style) -> Markdown
@@ -484,10 +483,9 @@ def render_config_table() -> str:
         "|---|---|---|---|---|",
     ]
     for name, field in cls.model_fields.items():
-        parser = config_module._ENV_PARSERS[name].__name__
         rows.append(
             f"| [`{name}`](#{_anchor(name)}) | `{_cell(_annotation(field.annotation))}` "
-            f"| `{_default(field.default)}` | `{cls.env_var(name)}` | {ENV_SYNTAX[parser]} |"
+            f"| `{_default(field.default)}` | `{cls.env_var(name)}` | {config_sources.env_syntax(field)} |"
         )
     rows += ["", END]
     return "\n".join(rows)
@@ -512,7 +510,7 @@ def undocumented_fields(text: str) -> list[str]:
             problems.append(f"configuration.md has no '### `{name}`' section")
         elif var not in section:
             problems.append(f"configuration.md's section on `{name}` does not name {var}")
-    for var in sorted(config_module.NON_FIELD_ENV_VARS):
+    for var in sorted(config_sources.NON_FIELD_ENV_VARS):
         if var not in text:
             problems.append(f"configuration.md does not mention {var}")
     return problems

@@ -122,7 +122,7 @@ def _rank(scenario: str, rank: int, world_size: int, tmp: Path, shm: str) -> dic
     import torch.distributed as dist
 
     from flextensor import shared_store
-    from flextensor.profile import load_profile_file
+    from flextensor.profile_file import load_profile_file
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
     if scenario == "per_rank":
@@ -164,7 +164,7 @@ def _rank(scenario: str, rank: int, world_size: int, tmp: Path, shm: str) -> dic
         flextensor.offload(model, flextensor.OffloadConfig(device="cpu", share_host_memory=True))
         dist.barrier()  # every rank attached: measure all at once
         anon_growth = _anonymous_bytes() - before
-        device_bytes = model._flextensor_engine.device_bytes_held()
+        device_bytes = flextensor.status(model).device_bytes_held
         (news,) = [m for m in said if "shared host" in m]
         path = news.split()[-1]
         for _ in range(4):

@@ -25,16 +25,17 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import flextensor
-from flextensor import config as config_module
+from flextensor import config_sources
 from flextensor.cli import build_parser, parse_budget
-from flextensor.config import parse_bytes
 from flextensor.log import _parse_level
 from flextensor.progress import _OFF, _ON
+from flextensor.sizes import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -178,14 +179,11 @@ def _python_blocks(path: Path) -> list[Block]:
 PYTHON_FILES = [p for p in doc_files() if _python_blocks(p)]
 
 
-@pytest.mark.parametrize("path", PYTHON_FILES, ids=_ids(PYTHON_FILES))
-def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
-    blocks = _python_blocks(path)
+def _run_blocks(path: Path, blocks: list[Block], tmp_path: Path, skip: Any) -> None:
     spec = {
         "prelude": textwrap.dedent(README_PRELUDE) if path == README else "",
         "blocks": [
-            {"path": str(b.path), "line": b.line, "code": b.code, "skip": _skip_reason(b) is not None}
-            for b in blocks
+            {"path": str(b.path), "line": b.line, "code": b.code, "skip": skip(b) is not None} for b in blocks
         ],
     }
     spec_file = tmp_path / "blocks.json"
@@ -202,6 +200,31 @@ def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
         f"a python block of {path.relative_to(ROOT)} failed (the traceback's line numbers are the "
         f"file's):\n{result.stderr[-6000:]}"
     )
+
+
+@pytest.mark.parametrize("path", PYTHON_FILES, ids=_ids(PYTHON_FILES))
+def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
+    _run_blocks(path, _python_blocks(path), tmp_path, _skip_reason)
+
+
+GPU_ONLY_BLOCKS = [
+    (path, index)
+    for path in PYTHON_FILES
+    for index, block in enumerate(_python_blocks(path))
+    if block.first_line.startswith("# gpu-only")
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("path", "index"), GPU_ONLY_BLOCKS, ids=[f"{p.name}:{i}" for p, i in GPU_ONLY_BLOCKS] or None
+)
+def test_gpu_only_blocks_run(path: Path, index: int, tmp_path: Path) -> None:
+    """Each ``# gpu-only`` block, with the blocks before it: a visible skip without CUDA, not a silent one."""
+    if not torch.cuda.is_available():
+        pytest.skip(f"{path.name}: a # gpu-only block needs a CUDA device (run on the GPU machine)")
+    blocks = _python_blocks(path)[: index + 1]
+    _run_blocks(path, blocks, tmp_path, lambda b: "not-run" if b.first_line.startswith("# not-run") else None)
 
 
 def test_skipped_blocks_are_rare_and_explained() -> None:
@@ -318,7 +341,7 @@ def _check_env(env: dict[str, str], where: str, monkeypatch: pytest.MonkeyPatch)
         assert ours["FT_PROGRESS"].strip().lower() in _ON | _OFF, (
             f"{where}: FT_PROGRESS={ours['FT_PROGRESS']}"
         )
-    fields = {k: v for k, v in ours.items() if k not in config_module.NON_FIELD_ENV_VARS}
+    fields = {k: v for k, v in ours.items() if k not in config_sources.NON_FIELD_ENV_VARS}
     with monkeypatch.context() as patch:
         for var in [v for v in os.environ if v.startswith("FT_")]:
             patch.delenv(var)

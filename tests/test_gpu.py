@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import flextensor
+from flextensor.api import engine_of
 from real_models import tiny_llama
 
 pytestmark = [
@@ -58,13 +59,13 @@ def test_llama_bitwise_on_cuda_and_pinned_host_store() -> None:
     ref, _ = _native_reference(medium_llama, inputs)
     config = flextensor.OffloadConfig(include_patterns=["model.layers.*"], gpu_memory_budget="200MiB")
     model = flextensor.offload(medium_llama(), config)
-    engine = model._flextensor_engine
-    assert all(u.pack.pinned and u.pack.buffer.is_pinned() for u in engine.units.values())
+    assert all(u.pinned for u in flextensor.status(model).units)
     with torch.no_grad():
         for _ in range(5):
             assert torch.equal(model(inputs.cuda()).logits, ref)
     assert flextensor.phase(model) == "inference"
-    assert engine.plan is not None and len(engine.plan.streamed) >= 4  # the streaming path ran
+    plan = flextensor.status(model).plan
+    assert plan is not None and len(plan.streamed) >= 4  # the streaming path ran
     flextensor.release(model)
 
 
@@ -83,7 +84,8 @@ def test_steady_peak_is_well_under_native() -> None:
     assert torch.equal(out, ref)
     assert peak < 0.5 * native_peak, (peak, native_peak)
     assert peak <= 600 * 2**20, "the budget is a bound on the steady step's peak"
-    plan = model._flextensor_engine.plan
+    plan = flextensor.status(model).plan
+    assert plan is not None
     assert abs(plan.predicted_peak_bytes - peak) <= 0.03 * peak, (plan.predicted_peak_bytes, peak)
     flextensor.release(model)
 
@@ -98,7 +100,9 @@ def test_copies_overlap_compute_in_steady_state() -> None:
             model(x.cuda())
         flextensor.record_next_step(model)
         model(x.cuda())
-    timeline = model._flextensor_engine.last_recording.timeline()
+    recording = engine_of(model).last_recording
+    assert recording is not None
+    timeline = recording.timeline()
     streamed = [u for u in timeline.units if not u.resident]
     assert len(streamed) >= 4
     # Each copy issued during the step must start on the copy stream before the compute that precedes
@@ -121,7 +125,7 @@ def test_copies_overlap_compute_in_steady_state() -> None:
 
 def test_capacity_follows_the_per_process_memory_fraction() -> None:
     """A process capped below the card (a smaller card's stand-in) plans for the cap, not the card."""
-    from flextensor.runtime import DeviceRuntime
+    from flextensor.device import DeviceRuntime
 
     runtime = DeviceRuntime(torch.device("cuda"))
     card = torch.cuda.get_device_properties(runtime.device).total_memory
@@ -138,25 +142,28 @@ def test_resident_units_drop_their_host_copy_and_get_it_back_pinned_when_they_st
     bit for bit throughout."""
     import dataclasses
 
-    from flextensor.engine import _input_shapes, provisional_arena_bytes
+    from flextensor.layout import provisional_arena_bytes
+    from flextensor.plan_policy import input_signature
 
     lengths = (64, 256)
     inputs = {n: torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths}
     refs = {n: _native_reference(medium_llama, inputs[n])[0] for n in lengths}
     config = flextensor.OffloadConfig(include_patterns=["model.layers.*"], gpu_memory_budget="300MiB")
     model = flextensor.offload(medium_llama(), config)
-    engine = model._flextensor_engine
+    engine = engine_of(model)
     with torch.no_grad():
         for n in lengths:
             for _ in range(3):
                 model(inputs[n].cuda())
-    names = sorted(engine.units)
+    status = flextensor.status(model)
+    names = sorted(u.name for u in status.units)
+    nbytes = {u.name: u.nbytes for u in status.units}
     placements = {64: (names[0], *names[1:4]), 256: (names[0], *names[4:7])}
 
     def install(n: int, resident: tuple[str, ...]) -> None:
-        state = engine._plans[_input_shapes((inputs[n].cuda(),), {})]
+        state = engine.plans[input_signature((inputs[n].cuda(),), {})]
         streamed = tuple(u for u in state.measurements.unit_names() if u not in resident)
-        sizes = [engine.units[u].nbytes for u in streamed]
+        sizes = [nbytes[u] for u in streamed]
         arena = max(state.plan.arena_bytes, provisional_arena_bytes(sizes))
         plan = dataclasses.replace(state.plan, resident=resident, streamed=streamed, arena_bytes=arena)
         engine.install_plan(state.measurements, plan)
@@ -166,13 +173,12 @@ def test_resident_units_drop_their_host_copy_and_get_it_back_pinned_when_they_st
     with torch.no_grad():
         for n in (64, 256, 64, 256):
             assert torch.equal(model(inputs[n].cuda()).logits, refs[n])
-            for name, unit in engine.units.items():
-                assert (unit.pack is None) == (name == names[0]), name
-                if unit.pack is not None:
-                    assert unit.pack.pinned and unit.pack.buffer.is_pinned()
+            for unit in flextensor.status(model).units:
+                assert (unit.host_bytes == 0) == (unit.name == names[0]), unit.name
+                assert unit.host_bytes == 0 or unit.pinned, unit.name
     install(64, ())  # streams names[0]: its pack comes back from the GPU, pinned
-    rebuilt = engine.units[names[0]].pack
-    assert rebuilt is not None and rebuilt.pinned and rebuilt.buffer.is_pinned()
+    rebuilt = flextensor.status(model).unit(names[0])
+    assert rebuilt.pack_rebuilds == 1 and rebuilt.host_bytes > 0 and rebuilt.pinned
     with torch.no_grad():
         for n in (64, 256, 64):
             assert torch.equal(model(inputs[n].cuda()).logits, refs[n])

@@ -12,8 +12,11 @@ import torch
 from torch import nn
 
 import flextensor
-from flextensor.engine import provisional_arena_bytes
-from flextensor.host_store import pack_layout
+from flextensor.api import engine_of
+from flextensor.host_store import UnitPack, pack_layout
+from flextensor.layout import provisional_arena_bytes
+from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan import Plan
 
 
 def test_pack_layout_is_aligned_and_dense() -> None:
@@ -28,17 +31,39 @@ def test_host_memory_held_is_within_two_percent_of_weights() -> None:
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(16)))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     flextensor.offload(model, flextensor.OffloadConfig(device="cpu"))
-    held = sum(u.pack.held_bytes for u in model._flextensor_engine.units.values())
+    held = flextensor.status(model).host_bytes_held
+    assert held == sum(u.host_bytes for u in flextensor.status(model).units)
     assert weight_bytes <= held <= 1.02 * weight_bytes
 
 
 def test_packed_views_share_one_buffer_per_unit() -> None:
-    model = flextensor.offload(
-        nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), flextensor.OffloadConfig(device="cpu")
-    )
-    for unit in model._flextensor_engine.units.values():
-        ptr = unit.pack.buffer.untyped_storage().data_ptr()
-        assert all(unit.pack.view(e).untyped_storage().data_ptr() == ptr for e in unit.pack.entries)
+    torch.manual_seed(0)
+    named = [("w", nn.Parameter(torch.randn(8, 8))), ("b", nn.Parameter(torch.randn(8)))]
+    entries, nbytes = pack_layout([(n, p.data) for n, p in named])
+    pack = UnitPack("u", entries, nbytes, pin=False)
+    ptr = pack.buffer.untyped_storage().data_ptr()
+    assert all(pack.view(e).untyped_storage().data_ptr() == ptr for e in pack.entries)
+    pack.free()
+
+
+def test_standalone_views_have_storages_of_their_own_so_mixed_dtypes_save() -> None:
+    # A unit mixing bf16 weights and fp32 norms (a Wan block): one storage viewed as two dtypes is what
+    # torch.save refuses; each standalone view has its own storage over the same bytes.
+    import io
+
+    tensors = [("w", torch.randn(4, 4).to(torch.bfloat16)), ("norm", torch.randn(4))]
+    entries, nbytes = pack_layout(tensors)
+    pack = UnitPack("u", entries, nbytes, pin=False)
+    for entry, (_, tensor) in zip(entries, tensors, strict=True):
+        pack.view(entry).copy_(tensor)
+    views = {e.name: pack.standalone_view(e) for e in entries}
+    assert views["w"].untyped_storage().data_ptr() != views["norm"].untyped_storage().data_ptr()
+    buffer = io.BytesIO()
+    torch.save(views, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert all(torch.equal(loaded[n], t) for n, t in tensors)
+    pack.free()
 
 
 def test_dropping_resident_packs_gives_their_host_memory_back() -> None:
@@ -48,17 +73,25 @@ def test_dropping_resident_packs_gives_their_host_memory_back() -> None:
     x = torch.randn(2, 1024)
     ref = model(x).detach()
     flextensor.offload(model, flextensor.OffloadConfig(device="cpu"))
-    engine = model._flextensor_engine
-    names = list(engine.units)
-    resident, streamed = names[:12], names[12:]
-    arena = provisional_arena_bytes([engine.units[u].nbytes for u in streamed])
-    engine.apply_layout(streamed, resident, arena)  # as a plan keeping 12 units resident does
-    held = engine.host_bytes_held()
+    status = flextensor.status(model)
+    names = [u.name for u in status.units]
+    sizes = {u.name: u.nbytes for u in status.units}
+    resident, streamed = tuple(names[:12]), tuple(names[12:])
+    measurements = Measurements(
+        units=tuple(UnitMeasurement(n, sizes[n], 1e-3) for n in names), link=LinkModel.constant(1e9)
+    )
+    held = flextensor.status(model).host_bytes_held
     before = psutil.Process().memory_info().rss
-    engine._drop_resident_packs()
+    # A plan keeping 12 units resident: in every plan made, so their packs are freed.
+    arena = provisional_arena_bytes([sizes[u] for u in streamed])
+    engine_of(model).install_plan(measurements, Plan(resident, streamed, arena))
     freed = before - psutil.Process().memory_info().rss
-    resident_bytes = sum(engine.units[u].nbytes for u in resident)
-    assert held - engine.host_bytes_held() >= resident_bytes
+    status = flextensor.status(model)
+    assert {u.name for u in status.units if u.placement == "device_only"} == set(resident)
+    resident_bytes = sum(sizes[u] for u in resident)
+    assert held - status.host_bytes_held >= resident_bytes
+    # On a CPU the resident storage is host RAM too: what was freed is the packs, beyond the new storage.
+    freed += resident_bytes
     assert freed >= 0.9 * resident_bytes, (freed, resident_bytes)  # unmapped, not just forgotten
     with torch.no_grad():
         assert torch.equal(model(x), ref)
@@ -88,9 +121,8 @@ RSS_SCRIPT = textwrap.dedent(
     flextensor.offload(model, flextensor.OffloadConfig(device="cpu"))
     done.set()
     sampler.join()
-    engine = model._flextensor_engine
     # On device="cpu" the device arena lives in host RAM too; on a GPU it does not. Count the host store.
-    device_side = engine.device_bytes_held()
+    device_side = flextensor.status(model).device_bytes_held
     print(json.dumps({"base": base, "peak": peak[0], "model": model_bytes, "device_side": device_side}))
     """
 )

@@ -35,9 +35,12 @@ def test_saved_profile_starts_next_run_in_steady_state(tmp_path: Path) -> None:
     assert flextensor.phase(second) == "inference"  # no discovery or profiling forwards
     with torch.no_grad():
         assert torch.equal(second(inputs).logits, ref)
-    engine = second._flextensor_engine
-    assert engine.forwards == 1 and engine.plan == first._flextensor_engine.plan
-    assert engine.plan.streamed
+    status = flextensor.status(second)
+    assert status.forwards == 1 and status.plan == flextensor.status(first).plan
+    assert status.plan.streamed
+    with torch.no_grad():  # the checking first forward found nothing changed: the plan stays
+        assert torch.equal(second(inputs).logits, ref)
+    assert flextensor.status(second).plans == flextensor.status(first).plans
 
 
 def test_profile_of_another_model_is_refused_naming_the_difference(tmp_path: Path) -> None:
@@ -75,3 +78,69 @@ def test_save_before_steady_state_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(NotOffloadedError, match="inference"):
         flextensor.save_profile(model, tmp_path / "p.json")
     assert not (tmp_path / "p.json").exists()
+
+
+class _Blocks(torch.nn.Module):
+    """Three blocks; ``reads_outside`` makes the forward read blocks.0's weight outside its unit, as a
+    model whose code changed since its profile was made might."""
+
+    def __init__(self, reads_outside: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.reads_outside = reads_outside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        if self.reads_outside:
+            x = torch.nn.functional.linear(x, self.blocks[0].weight)
+        return x
+
+
+def test_a_profile_of_a_model_whose_code_changed_gives_right_outputs_and_profiles_again(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "blocks.json"
+    x = torch.randn(4, 16)
+    first = _Blocks()
+    flextensor.offload(first, streaming_config(first, ["blocks.*"]))
+    _steady(first, x)
+    flextensor.save_profile(first, path)
+
+    changed = _Blocks(reads_outside=True)
+    with torch.no_grad():
+        ref = changed(x)
+    second = _Blocks(reads_outside=True)
+    flextensor.offload(second, streaming_config(second, ["blocks.*"]).model_copy(update={"profile": path}))
+    assert flextensor.phase(second) == "inference"
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(second(x), ref)
+    assert "blocks.0.weight" in flextensor.resident_parameters(second)
+    assert flextensor.phase(second) == "inference"
+    assert flextensor.status(second).plan != flextensor.status(first).plan  # planned again for the new code
+
+
+def test_a_profile_whose_run_stopped_streaming_a_unit_starts_the_next_run(tmp_path: Path) -> None:
+    # A unit whose every weight was found read outside it leaves the profiled run's units; the next run
+    # selects it again and must match the profile all the same.
+    class ReadsAll(_Blocks):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = super().forward(x)
+            return torch.nn.functional.linear(x, self.blocks[2].weight, self.blocks[2].bias)
+
+    path = tmp_path / "p.json"
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        ref = ReadsAll()(x)
+    first = ReadsAll()
+    flextensor.offload(first, streaming_config(first, ["blocks.*"]))
+    _steady(first, x)
+    assert "blocks.2" not in flextensor.offload_units(first)
+    flextensor.save_profile(first, path)
+    second = ReadsAll()
+    flextensor.offload(second, streaming_config(second, ["blocks.*"]).model_copy(update={"profile": path}))
+    assert flextensor.offload_units(second) == flextensor.offload_units(first)
+    with torch.no_grad():
+        assert torch.equal(second(x), ref)

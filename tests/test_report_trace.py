@@ -43,14 +43,14 @@ def streamed_model() -> torch.nn.Module:
 
 
 def test_report_rows_follow_execution_order_with_slots(streamed_model: torch.nn.Module) -> None:
-    engine = streamed_model._flextensor_engine
+    status = flextensor.status(streamed_model)
     rep = flextensor.report(streamed_model)
     assert isinstance(rep, Report)
     assert [u.name for u in rep.units] == flextensor.offload_units(streamed_model)
     assert [u.name for u in rep.units] == [f"model.layers.{i}" for i in range(LAYERS)]
-    arena = engine.arena.numel()
+    arena = status.arena_bytes
     for row in rep.units:
-        assert row.nbytes == engine.units[row.name].nbytes
+        assert row.nbytes == status.unit(row.name).nbytes
         assert not row.resident and row.placement == "streamed"
         assert row.slot_start is not None and row.slot_end is not None
         assert 0 <= row.slot_start < row.slot_end <= arena
@@ -62,19 +62,20 @@ def test_report_rows_follow_execution_order_with_slots(streamed_model: torch.nn.
 
 
 def test_report_totals(streamed_model: torch.nn.Module) -> None:
-    engine = streamed_model._flextensor_engine
+    status = flextensor.status(streamed_model)
     rep = flextensor.report(streamed_model)
     assert rep.step_ms > 0 and rep.compute_ms > 0
-    assert rep.predicted_step_ms == pytest.approx(engine.plan.predicted_step_s * 1e3)
-    assert rep.predicted_peak_bytes == engine.plan.predicted_peak_bytes
+    assert status.plan is not None
+    assert rep.predicted_step_ms == pytest.approx(status.plan.predicted_step_s * 1e3)
+    assert rep.predicted_peak_bytes == status.plan.predicted_peak_bytes
     assert rep.streamed_bytes == sum(u.nbytes for u in rep.units)  # each layer once per step
     assert rep.copies == LAYERS
     assert rep.achieved_gbps is not None and rep.achieved_gbps > 0
     assert rep.link_gbps is not None and rep.link_gbps > 0
     assert rep.budget_bytes == ALL_STREAMED
-    assert rep.arena_bytes == engine.arena.numel()
-    assert rep.device_bytes_held == engine.device_bytes_held()
-    assert rep.host_bytes_held == sum(u.pack.held_bytes for u in engine.units.values())  # all streamed
+    assert rep.arena_bytes == status.arena_bytes
+    assert rep.device_bytes_held == status.device_bytes_held
+    assert rep.host_bytes_held == sum(u.host_bytes for u in status.units) > 0  # all streamed
     assert rep.peak_allocated_bytes is None  # not counted on CPU
     assert rep.exposed_wait_ms == pytest.approx(sum(u.wait_ms for u in rep.units))
 
@@ -103,15 +104,17 @@ def test_report_to_dict_and_rendering(streamed_model: torch.nn.Module) -> None:
 def test_report_resident_units_say_so() -> None:
     model = _offloaded(None)  # no budget: the planner may keep any unit resident
     _to_steady(model)
-    engine = model._flextensor_engine
+    status = flextensor.status(model)
     rep = flextensor.report(model)
     for row in rep.units:
-        assert row.resident == engine.units[row.name].resident
+        assert row.resident == (row.name in status.resident)
         assert (row.slot_start is None) == row.resident
         assert ("resident" in row.placement) == row.resident
     # Resident units hold their weights on the device only: host bytes are the streamed units' packs.
-    assert rep.host_bytes_held == sum(u.pack.held_bytes for u in engine.units.values() if not u.resident)
-    assert all(u.pack is None for u in engine.units.values() if u.resident)
+    assert rep.host_bytes_held == sum(u.host_bytes for u in status.units if u.name in status.streamed)
+    assert all(
+        u.placement == "device_only" and u.host_bytes == 0 for u in status.units if u.name in status.resident
+    )
 
 
 def test_report_before_steady_state_raises() -> None:
@@ -127,15 +130,14 @@ def test_report_before_steady_state_raises() -> None:
 
 
 def test_record_next_step_refreshes_the_recording(streamed_model: torch.nn.Module) -> None:
-    engine = streamed_model._flextensor_engine
-    first = engine.last_recording
+    first = flextensor.report(streamed_model).forward
     with torch.no_grad():
         streamed_model(llama_inputs())
-    assert engine.last_recording is first  # steady forwards are not recorded unless asked
+    assert flextensor.report(streamed_model).forward == first  # steady forwards are not recorded unless asked
     flextensor.record_next_step(streamed_model)
     with torch.no_grad():
         streamed_model(llama_inputs())
-    assert engine.last_recording is not first
+    assert flextensor.report(streamed_model).forward == flextensor.status(streamed_model).forwards - 1 > first
     assert [u.name for u in flextensor.report(streamed_model).units] == flextensor.offload_units(
         streamed_model
     )

@@ -23,7 +23,8 @@ from torch import nn
 
 import flextensor
 from flextensor import shared_store
-from flextensor.engine import provisional_arena_bytes
+from flextensor.api import engine_of
+from flextensor.layout import provisional_arena_bytes
 from flextensor.errors import FlexTensorError, ProfileError
 
 WIDTH, DEPTH = 32, 4
@@ -76,7 +77,7 @@ def test_one_process_packs_a_private_segment_that_release_removes(shm: Path) -> 
     assert segment.name.startswith(f"flextensor-{os.getuid()}-")
     assert segment.stat().st_mode & 0o777 == 0o600
     assert (shm / (segment.name + ".lock")).stat().st_mode & 0o777 == 0o600
-    assert all(u.pack.shared for u in model._flextensor_engine.units.values())
+    assert all(u.shared for u in flextensor.status(model).units)
     assert torch.equal(run_to_steady_state(model, x), expected)
     flextensor.release(model, "cpu")
     assert segments(shm) == []
@@ -87,39 +88,59 @@ def test_resident_units_keep_their_shared_packs(shm: Path) -> None:
     x = torch.randn(3, WIDTH)
     expected = make_model()(x)
     model = flextensor.offload(make_model(), shared_config())
-    engine = model._flextensor_engine
-    held = engine.host_bytes_held()
+    held = flextensor.status(model).host_bytes_held
     assert torch.equal(run_to_steady_state(model, x), expected)
     # Place residency by hand, the path a learned plan takes: the CPU planner may stream everything.
+    engine = engine_of(model)
+    entry = engine.current
+    assert entry is not None
+    sizes = {u.name: u.nbytes for u in flextensor.status(model).units}
     plan = dataclasses.replace(
-        engine.plan,
+        entry.plan,
         resident=("0", "2"),
         streamed=("1", "3"),
-        arena_bytes=provisional_arena_bytes([engine.units[u].nbytes for u in ("1", "3")]),
+        arena_bytes=provisional_arena_bytes([sizes[u] for u in ("1", "3")]),
     )
-    engine.install_plan(engine.measurements, plan)
-    assert engine.units["0"].resident and not engine.units["1"].resident
+    engine.install_plan(entry.measurements, plan)
+    status = flextensor.status(model)
+    assert status.resident == ("0", "2") and status.streamed == ("1", "3")
     # Other processes read the segment: no pack is dropped, and the host bytes stay as they were.
-    assert all(u.pack is not None and u.pack.shared for u in engine.units.values())
-    assert engine.host_bytes_held() == held
+    assert all(u.shared and u.host_bytes > 0 for u in status.units)
+    assert status.host_bytes_held == held
     assert torch.equal(model(x), expected)
     flextensor.release(model, "cpu")
     assert segments(shm) == []
     assert torch.equal(model(x), expected)
 
 
+def _units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    return [(str(i), [(f"{i}.weight", m.weight), (f"{i}.bias", m.bias)]) for i, m in enumerate(model)]
+
+
 def test_a_second_model_with_the_same_weights_maps_the_same_copy(shm: Path) -> None:
     a = flextensor.offload(make_model(), shared_config())
     b = flextensor.offload(make_model(), shared_config())
     assert len(segments(shm)) == 1
-    pack_a = a._flextensor_engine.units["0"].pack
-    pack_b = b._flextensor_engine.units["0"].pack
-    assert pack_a.buffer.data_ptr() != pack_b.buffer.data_ptr()  # two mappings ...
-    pack_a.buffer[:4] += 1
-    assert torch.equal(pack_a.buffer[:4], pack_b.buffer[:4])  # ... of one memory
+    assert [u.host_bytes for u in flextensor.status(a).units] == [u.host_bytes for u in flextensor.status(b).units]
     flextensor.release(a)
     assert len(segments(shm)) == 1  # b still holds it
     flextensor.release(b)
+
+
+def test_two_packings_of_the_same_weights_are_two_mappings_of_one_memory(shm: Path) -> None:
+    first, second = make_model(), make_model()
+    packs_a = shared_store.pack_shared(first, _units(first), ["*"], pin=False).packs
+    packs_b = shared_store.pack_shared(second, _units(second), ["*"], pin=False).packs
+    assert len(segments(shm)) == 1
+    assert packs_a[0].buffer.data_ptr() != packs_b[0].buffer.data_ptr()  # two mappings ...
+    packs_a[0].buffer[:4] += 1
+    assert torch.equal(packs_a[0].buffer[:4], packs_b[0].buffer[:4])  # ... of one memory
+    for model, packs in ((first, packs_a), (second, packs_b)):
+        for (_, named), pack in zip(_units(model), packs, strict=True):
+            for _, param in named:
+                param.data = param.data.clone()
+            pack.free()
+    assert segments(shm) == []  # the last pack freed removed the segment
 
 
 def test_a_model_built_on_meta_attaches_without_reading_weights(shm: Path) -> None:
@@ -199,15 +220,18 @@ def test_a_creator_that_fails_while_packing_restores_its_model(
 
 
 def test_a_forked_child_leaving_does_not_drop_the_parents_hold(shm: Path) -> None:
-    model = flextensor.offload(make_model(), shared_config())
-    segment = model._flextensor_engine.units["0"].pack._owner
+    model = make_model()
+    packs = shared_store.pack_shared(model, _units(model), ["*"], pin=False).packs
+    segment = packs[0].owner
     pid = os.fork()
     if pid == 0:  # the child shares the parent's lock; leaving (as at its exit) must not release it
         segment._leave()
         os._exit(0)
     os.waitpid(pid, 0)
     assert len(segments(shm)) == 1
-    flextensor.release(model)
+    for pack in packs:
+        pack.free()
+    assert segments(shm) == []
 
 
 def test_a_segment_open_to_other_users_is_refused(shm: Path) -> None:

@@ -45,12 +45,14 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     their host copy (unless it is shared between processes).
     If anything fails here, the model is left exactly as it was.
     """
-    check_offloadable(model)
-    config = config if config is not None else OffloadConfig()
+    # Before check_offloadable: that one also refuses a model already offloaded (as a module of an
+    # offloaded model), and the documented error for offloading the same model twice is this one.
     if getattr(model, _ENGINE_ATTR, None) is not None:
         raise AlreadyOffloadedError(
             f"this {type(model).__name__} is already offloaded; call flextensor.release(model) first"
         )
+    check_offloadable(model)
+    config = config if config is not None else OffloadConfig()
     target = resolve_target(config)
     selection = select(model, config.include_patterns, config.exclude_patterns)
     with Packing(model, selection, target) as packing:

@@ -14,7 +14,7 @@ import difflib
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,9 @@ from pydantic import (
 from .errors import ConfigError
 from .patterns import validate_pattern
 from .sizes import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BYTE_SIZE", "ENV_PREFIX", "OffloadConfig", "suggestion"]
 
@@ -327,6 +330,17 @@ class OffloadConfig(BaseModel):
                 f"({self.max_gpu_mem_fraction}) are both set; set only one of them"
             )
         return self
+
+    def resolved_device(self) -> torch.device:
+        """The device offload() will use for this config: :attr:`device`, or the current CUDA device
+        when unset and CUDA is available, else CPU (see ``flextensor.device.resolve_device``).
+
+        Raises:
+            ConfigError: the device is CUDA but CUDA is not available, or its index does not exist.
+        """
+        from .device import resolve_device
+
+        return resolve_device(self.device)
 
     @classmethod
     def env_var(cls, field_name: str) -> str:

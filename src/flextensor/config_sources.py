@@ -40,13 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from pydantic.fields import FieldInfo
 
 from .config import BYTE_SIZE, ENV_PREFIX, OffloadConfig, suggestion
 from .errors import ConfigError
 
-__all__ = ["CONFIG_FILE_ENV_VAR", "ENV_VARS", "NON_FIELD_ENV_VARS", "env_parser", "load_config"]
+__all__ = ["CONFIG_FILE_ENV_VAR", "ENV_VARS", "NON_FIELD_ENV_VARS", "env_parser", "env_syntax", "load_config"]
 
 CONFIG_FILE_ENV_VAR = "FT_CONFIG_FILE"
 """Names the YAML file :func:`load_config` reads when it is given no path."""
@@ -131,6 +130,20 @@ def env_parser(field: FieldInfo) -> EnvParser:
     if annotation in (str, Path):
         return _env_text
     raise ConfigError(f"flextensor bug: no environment parser for a field of type {annotation!r}")
+
+
+_SYNTAX: dict[EnvParser, str] = {
+    _env_list: "comma-separated list",
+    _env_int: "integer",
+    _env_float: "number",
+    _env_bool: "1/0, true/false, yes/no, on/off",
+    _env_text: "text, checked like the field's value",
+}
+
+
+def env_syntax(field: FieldInfo) -> str:
+    """How the value of ``field``'s environment variable is written, in words (for the docs)."""
+    return _SYNTAX[env_parser(field)]
 
 
 _ENV_PARSERS: dict[str, EnvParser] = {

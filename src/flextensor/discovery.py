@@ -24,10 +24,19 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .slots import DeviceStore, holds_weights
+from .steady import RecordedStep
 from .timeline import StepRecorder
 from .units import Unit
 
-__all__ = ["DiscoveryResult", "DiscoveryStep", "OutsideReadTracker", "clone_tensors", "views_storage"]
+__all__ = [
+    "BehaviourChecks",
+    "CheckedStep",
+    "DiscoveryResult",
+    "DiscoveryStep",
+    "OutsideReadTracker",
+    "clone_tensors",
+    "views_storage",
+]
 
 MAX_NESTING = 8
 """Depth to which a unit's output (tuples, lists, dicts of tensors) is searched for views of its weights:
@@ -112,76 +121,156 @@ class DiscoveryResult:
     must_stay_resident: dict[Unit, str] = field(default_factory=dict)
 
 
-class DiscoveryStep:
-    """The unit hooks' driver during a discovery forward."""
+KeepResident = Callable[[Unit, str, bool], None]
+"""``keep(unit, reason, current_values)``: make every weight of ``unit`` resident now, copied from the
+weights it computes with (``current_values``: its arena range, which it occupies) or from its pack."""
+
+
+class BehaviourChecks:
+    """What discovery watches for in each unit's forward (see the module docstring).
+
+    A unit found running inside another is made resident before it loads (loading it could overwrite
+    the outer unit's range mid-forward); one that writes its weights or returns views of them is made
+    resident from the weights it just used, so the forward's result and any update survive.
+    """
 
     def __init__(
         self,
         store: DeviceStore,
         owner_of: dict[int, Unit],
         on_outside_read: Callable[[int, Any], None],
-        recorder: StepRecorder,
+        keep_resident: KeepResident,
     ) -> None:
         self.store = store
         self.result = DiscoveryResult()
-        self.recorder = recorder  # times the forward too: one more sample for the planner's measurements
+        self.active: set[Unit] = set()
         self._seen: set[Unit] = set()
-        self._active: set[Unit] = set()
         self._versions: dict[Unit, tuple[int, ...]] = {}
+        self._keep = keep_resident
+        self._tracker = OutsideReadTracker(owner_of, self.active, on_outside_read)
+
+    def begin(self) -> None:
+        self._tracker.__enter__()
+
+    def end(self) -> None:
+        self._tracker.__exit__(None, None, None)
+        self.active.clear()
+
+    def _stay(self, unit: Unit, reason: str, current_values: bool) -> None:
+        if unit not in self.result.must_stay_resident:
+            self.result.must_stay_resident[unit] = reason
+            self._keep(unit, reason, current_values)
+
+    def enter(self, unit: Unit) -> None:
+        """A unit's pre-hook, before it loads."""
+        if unit not in self._seen:
+            self._seen.add(unit)
+            self.result.order.append(unit)
+        outer = next((u for u in self.active if u is not unit), None)
+        if outer is not None:
+            self._stay(unit, f"it runs inside unit {outer.name!r}", current_values=False)
+        self.active.add(unit)
+
+    def loaded(self, unit: Unit) -> None:
+        """A unit's pre-hook, once its weights are in place: note their versions."""
+        self._versions[unit] = tuple(param._version for _, param, _ in unit.parameters)
+
+    def leave(self, unit: Unit, output: Any) -> Any:
+        """A unit's post-hook, before its compute is marked done: the output to hand on, if replaced."""
+        replaced = None
+        before = self._versions.pop(unit, None)
+        # Each parameter has a version counter of its own; copies into the arena do not touch it.
+        if before is not None and before != tuple(param._version for _, param, _ in unit.parameters):
+            self._stay(unit, "its forward writes its own weights", current_values=True)
+        arena = self.store.arena
+        if arena is not None and views_storage(
+            output, arena.untyped_storage().data_ptr(), self.store.runtime.device
+        ):
+            self._stay(unit, "its output is a view of its weights", current_values=True)
+            # Later copies would overwrite what this output views: hand the caller a copy, taken
+            # before compute_done is recorded so that those copies wait for it.
+            replaced = clone_tensors(output)
+        self.active.discard(unit)
+        return replaced
+
+    def inside_another(self) -> bool:
+        """Whether a unit is running inside another one right now."""
+        return len(self.active) > 1
+
+
+class DiscoveryStep:
+    """The unit hooks' driver during a discovery forward: every unit loads on demand, nothing prefetches."""
+
+    def __init__(self, store: DeviceStore, checks: BehaviourChecks, recorder: StepRecorder) -> None:
+        self.store = store
+        self.checks = checks
+        self.recorder = recorder  # times the forward too: one more sample for the planner's measurements
         self._compute: Any = None
-        self._tracker = OutsideReadTracker(owner_of, self._active, on_outside_read)
 
     def begin(self) -> None:
         self._compute = self.store.runtime.current_stream()
         self.recorder.begin()
-        self._tracker.__enter__()
+        self.checks.begin()
 
     def end(self, error: type[BaseException] | None) -> DiscoveryResult | None:
         """Close the forward; its result, or None when it raised (a partial order would mis-plan)."""
-        self._tracker.__exit__(None, None, None)
-        self._active.clear()
+        self.checks.end()
         if error is not None:
             return None
         self.recorder.finish()
-        return self.result
+        return self.checks.result
 
     def pre(self, unit: Unit) -> None:
-        result = self.result
-        if unit not in self._seen:
-            self._seen.add(unit)
-            result.order.append(unit)
-        if self._active - {unit}:
-            outer = next(iter(self._active - {unit}))
-            result.must_stay_resident.setdefault(unit, f"it runs inside unit {outer.name!r}")
-        self._active.add(unit)
+        self.checks.enter(unit)
         self.recorder.wait_start(unit.name, unit.resident, unit.nbytes)
-        if not unit.resident:
+        if not unit.resident and unit.parameters:
             if not holds_weights(unit, self.store.owner):
                 self.store.load_on_demand(unit, self._compute)
             self._compute.wait_event(unit.copy_done)
-        self._versions[unit] = tuple(param._version for _, param, _ in unit.parameters)
+        self.checks.loaded(unit)
         self.recorder.compute_start(unit.name)
 
     def post(self, unit: Unit, output: Any) -> Any:
         self.recorder.compute_end(unit.name)
-        replaced = None
+        replaced = self.checks.leave(unit, output)
         if not unit.resident:
-            if self._wrote_own_weights(unit):
-                self.result.must_stay_resident.setdefault(unit, "its forward writes its own weights")
-            arena = self.store.arena
-            if arena is not None and views_storage(
-                output, arena.untyped_storage().data_ptr(), self.store.runtime.device
-            ):
-                self.result.must_stay_resident.setdefault(unit, "its output is a view of its weights")
-                # Later copies would overwrite what this output views: hand the caller a copy, taken
-                # before compute_done is recorded so that those copies wait for it.
-                replaced = clone_tensors(output)
             unit.compute_done.record(self._compute)
-        self._active.discard(unit)
         return replaced
 
-    def _wrote_own_weights(self, unit: Unit) -> bool:
-        """Whether an in-place write reached one of the unit's parameters during its forward (each
-        parameter has a version counter of its own; copies into the arena do not touch it)."""
-        before = self._versions.pop(unit, None)
-        return before is not None and before != tuple(param._version for _, param, _ in unit.parameters)
+
+class CheckedStep(RecordedStep):
+    """The first forward from a saved profile: a recorded steady step that also runs discovery's checks,
+    so a model whose code changed since the profile was made still computes right outputs (and is then
+    profiled again). A unit running inside another issues no prefetch: it could overwrite the outer's
+    range."""
+
+    __slots__ = ("checks",)
+
+    def __init__(self, store: DeviceStore, recorder: StepRecorder, checks: BehaviourChecks) -> None:
+        super().__init__(store, recorder)
+        self.checks = checks
+
+    def begin(self) -> None:
+        super().begin()
+        self.checks.begin()
+
+    def end(self, error: type[BaseException] | None) -> DiscoveryResult | None:
+        self.checks.end()
+        return None if error is not None else self.checks.result
+
+    def pre(self, unit: Unit) -> None:
+        self.checks.enter(unit)
+        if unit.parameters:
+            super().pre(unit)
+        self.checks.loaded(unit)
+
+    def post(self, unit: Unit, output: Any) -> Any:
+        nested = self.checks.inside_another()
+        replaced = self.checks.leave(unit, output)
+        if nested or not unit.parameters:
+            self.recorder.compute_end(unit.name)
+            if not unit.resident:
+                unit.compute_done.record(self.compute)
+        else:
+            super().post(unit, output)
+        return replaced

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from .autograd_guard import StreamedWeightGuard
 from .config import OffloadConfig
 from .device import Target
-from .discovery import DiscoveryResult, DiscoveryStep
+from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryStep
 from .errors import UnsupportedOperationError
 from .layout import provisional_arena_bytes
 from .measurements import LinkModel, Measurements
@@ -93,7 +94,8 @@ class OffloadEngine:
         self.laid_out = False  # units have the device bytes the phase needs; else the next forward lays out
         self.forwards = 0
         self.last_recording: StepRecorder | None = None
-        self._outside = OutsideForwardStep(self.store, self._ensure_layout)
+        ensure_layout = weakref.WeakMethod(self._ensure_layout)  # no cycle: see ModelHooks
+        self._outside = OutsideForwardStep(self.store, lambda: ensure_layout()())
         self._steady = SteadyStep(self.store)
         self.step: Any = self._outside  # what the unit hooks call (see hooks.py)
         self._phase_forwards = 0
@@ -154,14 +156,19 @@ class OffloadEngine:
             self._outside_reads = 0
             # Resident units carry no hooks in steady state: their weights are never read "outside".
             streamed = {pid: u for pid, u in self.owner_of.items() if not u.resident}
-            return DiscoveryStep(
-                self.store, streamed, self._keep_outside_read_resident, StepRecorder(self.runtime)
+            checks = BehaviourChecks(
+                self.store, streamed, self._keep_outside_read_resident, self._keep_unit_resident
             )
+            recorder = StepRecorder(self.runtime, self.forwards)
+            if self.phase is Phase.DISCOVERY:
+                return DiscoveryStep(self.store, checks, recorder)
+            self._record_next = False  # the checking forward is recorded too
+            return CheckedStep(self.store, recorder, checks)
         if self.phase is Phase.PROFILING:
             return ProfilingStep(self.store)
         if self._record_next:
             self._record_next = False
-            return RecordedStep(self.store, StepRecorder(self.runtime))
+            return RecordedStep(self.store, StepRecorder(self.runtime, self.forwards))
         return self._steady
 
     def end_forward(self, error: type[BaseException] | None) -> None:
@@ -172,13 +179,17 @@ class OffloadEngine:
         self.forwards += 1
         if isinstance(driver, DiscoveryStep):
             result = driver.end(error)
-            if result is None:  # a partial order would make a wrong plan: learn again next forward
-                return
-            if self.phase is Phase.INFERENCE:
-                self._check_next = False
-                self._after_check(result)
-            else:
+            if result is not None:  # a partial order would make a wrong plan: learn again next forward
                 self._after_discovery(result, sample_from_timeline(driver.recorder.timeline()))
+        elif isinstance(driver, CheckedStep):
+            result = driver.end(error)
+            if result is None:
+                self._record_next = True
+                return
+            self._check_next = False
+            driver.recorder.finish()
+            self.last_recording = driver.recorder
+            self._after_check(result)
         elif isinstance(driver, ProfilingStep):
             sample = driver.end()
             if error is None:
@@ -221,11 +232,7 @@ class OffloadEngine:
     def _finish_discovery(self) -> None:
         """Keep what must stay resident, forget emptied units, and lay out every unit for profiling."""
         discovered, self._discovered = self._discovered, DiscoveryResult()
-        for unit, reason in discovered.must_stay_resident.items():
-            for _, param, _ in list(unit.parameters):
-                self.keep_parameter_resident(
-                    id(param), f"its unit {unit.name!r} must stay resident: {reason}"
-                )
+        # Units that must stay resident were made so when found (see discovery.BehaviourChecks).
         self.runtime.synchronize()  # the packs of dropped units may still be read by copies in flight
         self.drop_empty_units()
         ran = set(discovered.order)
@@ -246,13 +253,22 @@ class OffloadEngine:
             param_id, f"read outside its unit {unit.name!r} (by {getattr(func, '__name__', func)})"
         )
 
-    def keep_parameter_resident(self, param_id: int, reason: str) -> None:
-        """Stop streaming one parameter: give it device storage of its own, for good (plan time only)."""
+    def _keep_unit_resident(self, unit: Unit, reason: str, current_values: bool) -> None:
+        for _, param, _ in list(unit.parameters):
+            self.keep_parameter_resident(
+                id(param), f"its unit {unit.name!r} must stay resident: {reason}", current_values
+            )
+
+    def keep_parameter_resident(self, param_id: int, reason: str, current_values: bool = False) -> None:
+        """Stop streaming one parameter: give it device storage of its own, for good (plan time, or a
+        learning forward). ``current_values``: copy what the parameter views now (its unit's arena range,
+        which the unit occupies) rather than its pack, to keep an update the forward just made."""
         unit = self.owner_of.pop(param_id)
         for i, (fqn, param, entry) in enumerate(unit.parameters):
             if id(param) == param_id:
+                source = param.data if current_values else unit.kept(entry)
                 with torch.inference_mode(False), torch.no_grad():
-                    param.data = unit.kept(entry).to(self.runtime.device, copy=True)
+                    param.data = source.to(self.runtime.device, copy=True)
                 del unit.parameters[i]
                 self.resident_reasons[fqn] = reason
                 logger.info("keeping %s resident: %s", fqn, reason)
@@ -289,7 +305,7 @@ class OffloadEngine:
         assert self.signature is not None
         timing = self._timing_samples.get(self.signature)
         timing_only = (timing,) if timing is not None else ()
-        if samples_disagree([*self._samples, *timing_only]) and self._extra_forwards < EXTRA_FORWARDS:
+        if samples_disagree(self._samples, timing) and self._extra_forwards < EXTRA_FORWARDS:
             self._extra_forwards += 1
             logger.info("profiled step times disagree by more than 2x; profiling one more forward")
             return

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -111,9 +112,17 @@ class ModelHooks:
     """The hooks on one offloaded model; built by the engine, removed by :meth:`detach`."""
 
     def __init__(self, controller: Controller) -> None:
-        self._controller = controller
+        # Weak: an engine must not be kept alive by its own hooks object once released (it holds the
+        # model, and so device memory, that a plain `del model` should give back without a gc pass).
+        self._controller_ref = weakref.ref(controller)
         self._model_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._unit_handles: dict[Unit, list[torch.utils.hooks.RemovableHandle]] = {}
+
+    @property
+    def _controller(self) -> Controller:
+        controller = self._controller_ref()
+        assert controller is not None, "the engine these hooks belong to is gone"
+        return controller
 
     @property
     def hooked_units(self) -> set[Unit]:

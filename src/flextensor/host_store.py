@@ -174,6 +174,11 @@ class UnitPack:
         return pack
 
     @property
+    def owner(self) -> PackOwner | None:
+        """What holds this pack's memory when the pack does not own it (a shared segment), else None."""
+        return self._owner
+
+    @property
     def shared(self) -> bool:
         """Whether the buffer is a range of a segment other processes may map too."""
         return self._owner is not None

@@ -9,8 +9,9 @@ A device time can only be inflated by noise (another process, clock ramp-up, a f
 work), never deflated. So every timed forward counts, the discovery forward included (its units also run
 with their weights already loaded), and each unit's compute, gap and the tail are the minimum over them:
 one noisy profiling forward (152 ms recorded against 3 ms real) no longer becomes the plan. When the
-samples disagree by more than :data:`DISAGREEMENT` in total compute, the engine profiles one more forward
-(at most :data:`EXTRA_FORWARDS` times). Activation peaks take the maximum: memory must fit the worst.
+samples disagree by more than :data:`DISAGREEMENT` in total compute (a profiled forward slower than the
+discovery forward, which does more host work, is suspect), the engine profiles one more forward (at most
+:data:`EXTRA_FORWARDS` times). Activation peaks take the maximum: memory must fit the worst.
 """
 
 from __future__ import annotations
@@ -275,10 +276,16 @@ def sample_from_timeline(timeline: Timeline) -> StepSample:
     )
 
 
-def samples_disagree(samples: list[StepSample]) -> bool:
-    """Whether the timed forwards' compute differs by more than DISAGREEMENT (one was noisy)."""
-    totals = [s.compute_s for s in samples if s.units]
-    return len(totals) > 1 and max(totals) > DISAGREEMENT * max(min(totals), 1e-9)
+def samples_disagree(profiled: list[StepSample], discovery: StepSample | None) -> bool:
+    """Whether the latest profiled forward looks noisy: its compute exceeds by more than DISAGREEMENT
+    that of an earlier profiled forward or of the discovery forward (which runs the same units with more
+    host work, so it is normally the slower one). A quiet forward after a noisy one settles it."""
+    if not profiled or not profiled[-1].units:
+        return False
+    others = [s.compute_s for s in profiled[:-1] if s.units]
+    if discovery is not None and discovery.units:
+        others.append(discovery.compute_s)
+    return bool(others) and profiled[-1].compute_s > DISAGREEMENT * max(min(others), 1e-9)
 
 
 def combine_samples(

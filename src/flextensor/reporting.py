@@ -68,7 +68,8 @@ class UnitReport:
 class Report:
     """One recorded steady step of an offloaded model. Build it with :func:`report`.
 
-    ``units``: per-unit rows, in execution order. Times are milliseconds, sizes bytes, speeds GB/s
+    ``forward``: which forward of the model was recorded (0 is the first). ``units``: per-unit rows, in
+    execution order. Times are milliseconds, sizes bytes, speeds GB/s
     (10^9 bytes per second). ``link_gbps`` is the probed host-to-device speed at ``typical_unit_bytes``
     (the median streamed unit); ``achieved_gbps`` is what this step's copies moved per second of copy
     time. ``peak_allocated_bytes`` is None on CPU, where device allocations are not counted.
@@ -79,6 +80,7 @@ class Report:
     """
 
     model: str
+    forward: int
     device: str
     units: tuple[UnitReport, ...]
     step_ms: float
@@ -136,7 +138,7 @@ class Report:
         from rich.table import Table
 
         table = Table(
-            title=f"flextensor: {self.model} on {self.device}, one recorded steady step",
+            title=f"flextensor: {self.model} on {self.device}, steady step of forward {self.forward}",
             title_justify="left",
         )
         table.add_column("#", justify="right", style="dim")
@@ -319,6 +321,7 @@ def report(model: nn.Module) -> Report:
     plan = entry.plan
     return Report(
         model=type(model).__name__,
+        forward=engine.last_recording.forward if engine.last_recording is not None else 0,
         device=str(engine.runtime.device),
         units=tuple(rows),
         step_ms=timeline.step_s * 1e3,

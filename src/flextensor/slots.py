@@ -139,9 +139,7 @@ class DeviceStore:
             )
         arena_bytes = max(arena_bytes, idle_need, minimal_arena_bytes([u.nbytes for u in streamed]))
         layout = ring_layout([u.name for u in streamed], [u.nbytes for u in streamed], arena_bytes)
-        self.arena = (
-            allocate_device_bytes(arena_bytes, self.runtime.device) if arena_bytes else None
-        )
+        self.arena = allocate_device_bytes(arena_bytes, self.runtime.device) if arena_bytes else None
         for unit in self.units:
             if unit in resident and unit not in kept:
                 self._upload_resident(unit)

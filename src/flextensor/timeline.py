@@ -78,8 +78,9 @@ class Timeline:
 class StepRecorder:
     """Collects events for one step; ``timeline()`` turns them into seconds (waiting on the device)."""
 
-    def __init__(self, runtime: DeviceRuntime) -> None:
+    def __init__(self, runtime: DeviceRuntime, forward: int = 0) -> None:
         self.runtime = runtime
+        self.forward = forward  # which forward of the model this records (0 = the first)
         self.start = runtime.event(timing=True)
         self.end: Any = None
         self.units: dict[str, _UnitEvents] = {}

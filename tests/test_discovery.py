@@ -1,0 +1,159 @@
+"""Discovery end to end: the execution order, and the weights and units that must never stream (read
+outside their unit, running inside another unit, returning views of their own weights)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor
+from engine_helpers import CPU, assert_all_equal, run_forwards
+from streaming import streaming_config
+
+
+def test_units_listed_in_execution_order_once_discovered() -> None:
+    class Reversed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(self.b(x))
+
+    model = flextensor.offload(Reversed(), flextensor.OffloadConfig(**CPU))
+    assert flextensor.offload_units(model) == ["a", "b"]
+    assert [u.name for u in flextensor.status(model).units] == ["a", "b"]
+    run_forwards(model, torch.randn(2, 8), 1)
+    assert flextensor.offload_units(model) == ["b", "a"]
+    assert [u.name for u in flextensor.status(model).units] == ["b", "a"]
+
+
+class ParentReadsChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.linear(x, self.blocks[0].weight)  # read outside blocks.0's forward
+
+
+def test_weight_read_outside_its_unit_is_kept_resident(caplog: pytest.LogCaptureFixture) -> None:
+    x = torch.randn(2, 16)
+    ref = ParentReadsChild()(x)
+    model = ParentReadsChild()
+    model = flextensor.offload(model, streaming_config(model))
+    with caplog.at_level(logging.INFO, logger="flextensor"):
+        outs = run_forwards(model, x, 4)
+    assert_all_equal(outs, ref.detach())
+    assert "blocks.0.weight" in flextensor.resident_parameters(model)
+    assert "blocks.0.bias" in flextensor.offloaded_parameters(model)
+    assert sum("blocks.0.weight" in r.getMessage() for r in caplog.records) == 1  # decided once
+    assert flextensor.phase(model) == "inference"
+
+
+class Nested(nn.Module):
+    """Unit ``a`` calls unit ``b`` in the middle of its own forward."""
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(16, 16)
+            self.l2 = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, inner: nn.Module) -> torch.Tensor:
+            return self.l2(inner(self.l1(x)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = Nested.Outer()
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.a(x, self.b))
+
+
+def test_unit_running_inside_another_unit_stays_resident_and_outputs_stay_right() -> None:
+    x = torch.randn(4, 16)
+    ref = Nested()(x).detach()
+    model = Nested()
+    model = flextensor.offload(model, streaming_config(model))
+    assert "b" in flextensor.offload_units(model)
+    assert_all_equal(run_forwards(model, x, 5), ref)
+    assert "b" not in flextensor.offload_units(model)
+    assert {"b.weight", "b.bias"} <= set(flextensor.resident_parameters(model))
+    assert [u.name for u in flextensor.status(model).units] == ["a", "c"]
+
+
+class PositionTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pe = nn.Parameter(torch.randn(1, 32, 16))
+
+    def forward(self, n: int) -> torch.Tensor:
+        return self.pe[:, :n]  # a view of the weight itself
+
+
+class ReturnsItsWeight(nn.Module):
+    """A positional table whose forward returns a view of its own parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = PositionTable()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        pe = self.table(x.shape[1])
+        for block in self.blocks:
+            x = block(x)
+        return x + pe
+
+
+def test_unit_whose_output_views_its_weights_stays_resident() -> None:
+    x = torch.randn(2, 8, 16)
+    ref = ReturnsItsWeight()(x).detach()
+    model = ReturnsItsWeight()
+    model = flextensor.offload(model, streaming_config(model, ["table", "blocks.*"]))
+    assert "table" in flextensor.offload_units(model)
+    assert_all_equal(run_forwards(model, x, 5), ref)
+    assert "table.pe" in flextensor.resident_parameters(model)
+
+
+class Flaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if fail and i == 1:
+                raise ValueError("user code failed mid-forward")
+            x = block(x)
+        return x
+
+
+def test_a_forward_that_raises_does_not_count_as_a_learning_forward() -> None:
+    x = torch.randn(2, 8)
+    ref = Flaky()(x).detach()
+    model = Flaky()
+    model = flextensor.offload(model, streaming_config(model))
+    with pytest.raises(ValueError, match="mid-forward"):
+        model(x, fail=True)
+    assert flextensor.phase(model) == "discovery"  # the partial order was not taken as the order
+    with pytest.raises(ValueError, match="mid-forward"):
+        model(x, fail=True)
+    assert flextensor.phase(model) == "discovery"
+    assert not flextensor.status(model).forward_running
+    assert_all_equal(run_forwards(model, x, 4), ref)
+    assert flextensor.phase(model) == "inference"
+    assert flextensor.offload_units(model) == ["blocks.0", "blocks.1", "blocks.2"]

@@ -1,0 +1,209 @@
+"""The hooks and guards on an offloaded model: the bracketing of each forward (threads, interrupts, a model
+calling itself) and the guards on load_state_dict, dtype conversions and backward."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor
+from engine_helpers import CPU, assert_all_equal, run_forwards
+from flextensor.errors import ConcurrentForwardError, UnsupportedOperationError
+from spec_model import make_spec_model, spec_tokens
+from streaming import streaming_config
+
+
+def _forward_in_another_thread(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run one forward of ``model`` on a thread of its own and hand back its output (or its error)."""
+    result: list[object] = []
+
+    def run() -> None:
+        try:
+            with torch.no_grad():
+                result.append(model(x))
+        except BaseException as exc:
+            result.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(30)
+    assert result, "the forward in the other thread did not finish"
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]  # type: ignore[return-value]
+
+
+def test_forward_from_second_thread_raises() -> None:
+    started, release_gate = threading.Event(), threading.Event()
+
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            started.set()
+            release_gate.wait(10)
+            return self.b(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 4)
+    reference = Slow()
+    reference.load_state_dict(Slow().state_dict())
+    model = Slow()
+    model.load_state_dict(reference.state_dict())
+    release_gate.set()
+    with torch.no_grad():
+        ref = reference(x)
+    release_gate.clear()
+    model = flextensor.offload(model, streaming_config(model))
+    outputs: list[torch.Tensor] = []
+
+    def first_thread() -> None:
+        with torch.no_grad():
+            outputs.append(model(x))
+
+    worker = threading.Thread(target=first_thread)
+    worker.start()
+    assert started.wait(10)
+    try:
+        assert flextensor.status(model).forward_running
+        with pytest.raises(ConcurrentForwardError):
+            model(x)
+        with pytest.raises(ConcurrentForwardError):
+            model.b(x)  # a unit called directly from the second thread
+    finally:
+        release_gate.set()
+        worker.join(10)
+    assert outputs and torch.equal(outputs[0], ref)  # the running forward was not disturbed
+    assert not flextensor.status(model).forward_running
+    model(torch.randn(1, 4))  # and the first thread's forward left the model usable
+
+
+@pytest.mark.parametrize("interrupted", [1, 2, 4], ids=["discovery", "profiling", "inference"])
+def test_a_forward_interrupted_by_ctrl_c_is_closed_by_the_next_one(interrupted: int) -> None:
+    """KeyboardInterrupt is not handed to PyTorch's always_call hooks: the next forward finds the step
+    unfinished and closes it, and everything after runs as if the interrupted forward had failed."""
+    tokens = spec_tokens()
+    ref = run_forwards(make_spec_model(), tokens, 1)[0]
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model))
+    calls = [0]
+
+    def ctrl_c(module: nn.Module, args: tuple) -> None:
+        calls[0] += 1
+        if calls[0] == interrupted:
+            raise KeyboardInterrupt
+
+    handle = model.layers[1].register_forward_pre_hook(ctrl_c)
+    with torch.no_grad():
+        for forward in range(1, interrupted + 1):
+            if forward == interrupted:
+                with pytest.raises(KeyboardInterrupt):
+                    model(tokens)
+            else:
+                assert torch.equal(model(tokens), ref)
+    handle.remove()
+    assert flextensor.status(model).forward_running  # what the interrupt left behind
+    assert_all_equal(run_forwards(model, tokens, 4), ref)
+    assert not flextensor.status(model).forward_running
+    assert torch._C._len_torch_function_stack() == 0  # discovery's read tracker was popped
+    assert flextensor.phase(model) == "inference"
+    # The interrupted forward's thread no longer owns the model: another thread may run it.
+    assert torch.equal(_forward_in_another_thread(model, tokens), ref)
+
+
+class CallsItself(nn.Module):
+    """A model whose forward calls the model again (the way some wrappers re-enter it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, again: bool = True) -> torch.Tensor:
+        if again:
+            x = self(x, again=False)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_model_that_calls_itself_is_one_step_not_an_interrupted_one() -> None:
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        ref = CallsItself()(x)
+    model = CallsItself()
+    model = flextensor.offload(model, streaming_config(model, ["layers.*"]))
+    assert_all_equal(run_forwards(model, x, 4), ref)
+    status = flextensor.status(model)
+    assert status.forwards == 4 and not status.forward_running
+    assert flextensor.phase(model) == "inference"
+
+
+def test_load_state_dict_while_offloaded_is_refused() -> None:
+    model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))
+    with pytest.raises(UnsupportedOperationError, match="release"):
+        model.load_state_dict(make_spec_model().state_dict())
+
+
+def test_dtype_or_device_conversion_while_offloaded_is_refused_until_release() -> None:
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model))
+    run_forwards(model, spec_tokens(), 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedOperationError, match="release"):
+        model.half()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # nothing converted
+    # A move to where everything already is (as a diffusers pipeline's pipe.to(device) does) is fine.
+    assert model.to("cpu") is model
+    ref = run_forwards(make_spec_model(), spec_tokens(), 1)[0]
+    assert_all_equal(run_forwards(model, spec_tokens(), 2), ref)
+    flextensor.release(model)
+    model.double()  # a plain module again
+    assert next(model.parameters()).dtype == torch.float64
+
+
+class _SavesSparse(torch.autograd.Function):
+    """Saves a sparse tensor for backward: it has no plain storage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x.detach().to_sparse())
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _SparseSavingBlock(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_SavesSparse.apply(x))  # inside the unit, under its saved-tensor guard
+
+
+class SparseInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_SparseSavingBlock(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_grad_enabled_forward_with_storage_less_saved_tensors_runs() -> None:
+    x = torch.randn(2, 8)
+    ref = SparseInput()(x).detach()
+    model = SparseInput()
+    model = flextensor.offload(model, streaming_config(model))
+    for _ in range(4):
+        assert torch.equal(model(x).detach(), ref)  # grad enabled: the saved-tensor guard is active
+    assert flextensor.phase(model) == "inference"
