@@ -74,8 +74,9 @@ def offload_with_placements(
     model = flextensor.offload(model, config)
     tokens = {seq: spec_tokens(seq=seq) for seq in placements}
     refs = {seq: run_forwards(make_spec_model(), tokens[seq], 1)[0] for seq in placements}
+    learn = config.discovery_forwards + config.profiling_forwards + EXTRA_FORWARDS  # see LEARN
     for seq in placements:
-        run_forwards(model, tokens[seq], 4)
+        run_forwards(model, tokens[seq], learn)
     assert len(flextensor.status(model).plans) == len(placements)
     for seq, resident in placements.items():
         install_placement(model, input_signature((tokens[seq],), {}), resident)
@@ -143,7 +144,8 @@ def assert_placement(model: nn.Module, resident: Iterable[str]) -> None:
     assert (status.arena_bytes > 0) == bool(status.streamed)
     own = [pointers[u] for u in status.resident]
     assert len(set(own)) == len(own) and not arena.intersection(own)
-    assert status.device_bytes_held == status.arena_bytes + sum(status.unit(u).nbytes for u in status.resident)
+    resident_bytes = sum(status.unit(u).nbytes for u in status.resident)
+    assert status.device_bytes_held == status.arena_bytes + resident_bytes
 
 
 def assert_packs_dropped(model: nn.Module, resident: Iterable[str]) -> None:

@@ -14,6 +14,7 @@ import flextensor.api
 import flextensor.packing
 from engine_helpers import (
     CPU,
+    LEARN,
     assert_packs_dropped,
     offload_with_placements,
     run_forwards,
@@ -67,14 +68,14 @@ def test_status_describes_units_plans_and_bytes_consistently() -> None:
     assert status.plan is None and status.plans == {} and status.input_signature is None
     assert [u.name for u in status.units] == flextensor.offload_units(model)
     assert all(u.placement == "streamed" and u.host_bytes >= u.nbytes for u in status.units)
-    with pytest.raises(KeyError):
+    with pytest.raises(SelectionError, match="'nope' is not an offload unit"):
         status.unit("nope")
 
     tokens = spec_tokens()
-    run_forwards(model, tokens, 4)
+    run_forwards(model, tokens, LEARN)
     status = flextensor.status(model)
     signature = input_signature((tokens,), {})
-    assert status.phase == "inference" and status.forwards == 4
+    assert status.phase == "inference" and status.forwards == LEARN
     assert status.input_signature == signature and list(status.plans) == [signature]
     assert status.plan is status.plans[signature]
     assert set(status.streamed) == set(status.plan.streamed)

@@ -21,6 +21,7 @@ from flextensor.errors import ConfigError
 GiB = 2**30
 MiB = 2**20
 
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep FT_* variables from the real environment out of every test."""

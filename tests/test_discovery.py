@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import flextensor
-from engine_helpers import CPU, assert_all_equal, run_forwards
+from engine_helpers import CPU, LEARN, assert_all_equal, run_forwards
 from streaming import streaming_config
 
 
@@ -50,7 +50,7 @@ def test_weight_read_outside_its_unit_is_kept_resident(caplog: pytest.LogCapture
     model = ParentReadsChild()
     model = flextensor.offload(model, streaming_config(model))
     with caplog.at_level(logging.INFO, logger="flextensor"):
-        outs = run_forwards(model, x, 4)
+        outs = run_forwards(model, x, LEARN)
     assert_all_equal(outs, ref.detach())
     assert "blocks.0.weight" in flextensor.resident_parameters(model)
     assert "blocks.0.bias" in flextensor.offloaded_parameters(model)
@@ -154,6 +154,6 @@ def test_a_forward_that_raises_does_not_count_as_a_learning_forward() -> None:
         model(x, fail=True)
     assert flextensor.phase(model) == "discovery"
     assert not flextensor.status(model).forward_running
-    assert_all_equal(run_forwards(model, x, 4), ref)
+    assert_all_equal(run_forwards(model, x, LEARN), ref)
     assert flextensor.phase(model) == "inference"
     assert flextensor.offload_units(model) == ["blocks.0", "blocks.1", "blocks.2"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,7 +53,11 @@ TRADING = {
 SHARED = ("embed", "layers.1", "lm_head")
 
 
-def _fail_allocations(monkeypatch: pytest.MonkeyPatch, when, error: type[Exception] = torch.OutOfMemoryError):
+def _fail_allocations(
+    monkeypatch: pytest.MonkeyPatch,
+    when: Callable[[int], bool],
+    error: type[Exception] = torch.OutOfMemoryError,
+) -> list[int]:
     """Make ``flextensor.slots.allocate_device_bytes`` raise ``error("injected")`` for the calls where
     ``when(nbytes)`` is true; returns the sizes of the calls that failed."""
     allocate = flextensor.slots.allocate_device_bytes
@@ -137,6 +143,42 @@ def test_switching_back_to_known_input_shapes_reuses_their_plan() -> None:
     assert flextensor.status(model).plans == plans
 
 
+def test_profiling_cut_short_by_other_inputs_plans_the_inputs_it_profiled() -> None:
+    """generate() in miniature: a profiling forward asks for one more (its time disagrees with the
+    discovery forward's: here a user hook sleeps in it), but the next forward has other inputs. The
+    profiled inputs get their plan from their own forward; the new ones are profiled afresh, not mixed in."""
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model))
+    short, longer = spec_tokens(seq=8), spec_tokens(seq=16)
+    refs = {seq: run_forwards(make_spec_model(), tokens, 1)[0] for seq, tokens in ((8, short), (16, longer))}
+    signatures = {seq: input_signature((tokens,), {}) for seq, tokens in ((8, short), (16, longer))}
+    sleep_s = [0.0]
+
+    def noisy(module: nn.Module, args: tuple) -> None:
+        time.sleep(sleep_s[0])
+
+    model.layers[1].register_forward_pre_hook(noisy)
+    with torch.no_grad():
+        start = time.perf_counter()
+        assert torch.equal(model(short), refs[8])  # discovery
+        # Far more than DISAGREEMENT times the discovery forward's compute, whatever the machine's load.
+        sleep_s[0] = 4 * (time.perf_counter() - start) + 0.05
+        assert torch.equal(model(short), refs[8])  # profiling, far slower than discovery: one more, please
+        sleep_s[0] = 0.0
+        status = flextensor.status(model)
+        assert status.phase == "profiling" and status.plans == {}
+        # Other inputs: the short ones are planned from their forward first, then the longer ones are
+        # profiled on their own (one forward, nothing to disagree with) and planned too.
+        assert torch.equal(model(longer), refs[16])
+        status = flextensor.status(model)
+        assert set(status.plans) == set(signatures.values())
+        assert status.phase == "inference" and status.plan is status.plans[signatures[16]]
+    with torch.no_grad():
+        for seq, tokens in ((8, short), (16, longer), (8, short)):
+            assert torch.equal(model(tokens), refs[seq])
+            assert flextensor.status(model).plan is flextensor.status(model).plans[signatures[seq]]
+
+
 # -- switching between cached plans keeps shared resident units ---------------------------------------------
 
 
@@ -165,6 +207,7 @@ def test_a_switch_that_fails_half_way_is_laid_out_again_by_the_next_forward(
         assert torch.equal(model(tokens[8]), refs[8])
     # The switch to 32 uploads layers.3 after layers.0 left residency: the old layout is gone by then.
     size = flextensor.status(model).unit("layers.3").nbytes
+    assert flextensor.status(model).plans[input_signature((tokens[32],), {})].arena_bytes != size
     armed = [True]
 
     def layers_3_once(nbytes: int) -> bool:
@@ -456,7 +499,7 @@ def test_profiling_keeps_the_residents_that_leave_room_within_the_limit() -> Non
     assert residents_within({"a": page}, [page], 3 * page, arena_floor=3 * page) == set()
 
 
-# -- units that never run -------------------------------------------------------------------------------------
+# -- units that never run ---------------------------------------------------------------------------------
 
 
 class HasUnusedModule(nn.Module):

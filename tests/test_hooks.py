@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import flextensor
-from engine_helpers import CPU, assert_all_equal, run_forwards
+from engine_helpers import CPU, LEARN, assert_all_equal, run_forwards
 from flextensor.errors import ConcurrentForwardError, UnsupportedOperationError
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
@@ -110,7 +110,7 @@ def test_a_forward_interrupted_by_ctrl_c_is_closed_by_the_next_one(interrupted: 
                 assert torch.equal(model(tokens), ref)
     handle.remove()
     assert flextensor.status(model).forward_running  # what the interrupt left behind
-    assert_all_equal(run_forwards(model, tokens, 4), ref)
+    assert_all_equal(run_forwards(model, tokens, LEARN), ref)
     assert not flextensor.status(model).forward_running
     assert torch._C._len_torch_function_stack() == 0  # discovery's read tracker was popped
     assert flextensor.phase(model) == "inference"
@@ -140,9 +140,9 @@ def test_a_model_that_calls_itself_is_one_step_not_an_interrupted_one() -> None:
         ref = CallsItself()(x)
     model = CallsItself()
     model = flextensor.offload(model, streaming_config(model, ["layers.*"]))
-    assert_all_equal(run_forwards(model, x, 4), ref)
+    assert_all_equal(run_forwards(model, x, LEARN), ref)
     status = flextensor.status(model)
-    assert status.forwards == 4 and not status.forward_running
+    assert status.forwards == LEARN and not status.forward_running  # one step per call, not two
     assert flextensor.phase(model) == "inference"
 
 

@@ -103,9 +103,7 @@ def _brute_force_ready_after(sizes: list[int], arena: int) -> tuple[int | None, 
     def overlap(a: int, b: int) -> bool:
         return offsets[a] < offsets[b] + padded[b] and offsets[b] < offsets[a] + padded[a]
 
-    return tuple(
-        next((j for d in range(1, n) if overlap(j := (k - d) % n, k)), None) for k in range(n)
-    )
+    return tuple(next((j for d in range(1, n) if overlap(j := (k - d) % n, k)), None) for k in range(n))
 
 
 @settings(max_examples=300, deadline=None)

@@ -18,8 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flextensor.errors import ProfileError
 from flextensor import json_codec
+from flextensor.errors import ProfileError
 from flextensor.json_codec import render_json
 from flextensor.layout import UNIT_ALIGNMENT, minimal_arena_bytes
 from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
@@ -399,25 +399,57 @@ INVALID_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         _set(("measurements", "units", 2, "nbytes"), -1),
         r"measurements\.units\[2\]\.nbytes: must be greater than or equal to 0, got -1",
     ),
-    ("NaN", _set(("measurements", "tail_s"), math.nan), r"measurements\.tail_s: must be a finite number, got NaN"),
-    ("infinity", _set(("plan", "predicted_step_s"), math.inf), r"plan\.predicted_step_s: must be a finite number, got Infinity"),
+    (
+        "NaN",
+        _set(("measurements", "tail_s"), math.nan),
+        r"measurements\.tail_s: must be a finite number, got NaN",
+    ),
+    (
+        "infinity",
+        _set(("plan", "predicted_step_s"), math.inf),
+        r"plan\.predicted_step_s: must be a finite number, got Infinity",
+    ),
     (
         "huge int for a float",
         _set(("measurements", "tail_s"), 10**400),
         r"measurements\.tail_s: must be a finite number",
     ),
-    ("bool for an int", _set(("plan", "arena_bytes"), True), r"plan\.arena_bytes: must be a valid integer, got true"),
-    ("float for an int", _set(("measurements", "baseline_bytes"), 1.5), r"baseline_bytes: must be a valid integer, got 1\.5"),
+    (
+        "bool for an int",
+        _set(("plan", "arena_bytes"), True),
+        r"plan\.arena_bytes: must be a valid integer, got true",
+    ),
+    (
+        "float for an int",
+        _set(("measurements", "baseline_bytes"), 1.5),
+        r"baseline_bytes: must be a valid integer, got 1\.5",
+    ),
     ("null for a list", _set(("order",), None), r"order: must be a valid array, got null"),
     ("string for a list", _set(("order",), "layers.0"), r"order: must be a valid array, got \"layers\.0\""),
-    ("short tuple", _set(("fingerprint", "parameters", 0), ["embed.weight", [64, 32]]), r"fingerprint\.parameters\[0\]\[2\]: is missing"),
+    (
+        "short tuple",
+        _set(("fingerprint", "parameters", 0), ["embed.weight", [64, 32]]),
+        r"fingerprint\.parameters\[0\]\[2\]: is missing",
+    ),
     ("shape entry", _set(("fingerprint", "parameters", 1, 1, 0), "32"), r"parameters\[1\]\[1\]\[0\]"),
-    ("unknown key", _set(("plan", "speed"), 1), r'plan\.speed: is an unknown key \(written by a newer flextensor'),
-    ("unknown top-level key", _set(("extra",), 1), r'invalid: extra: is an unknown key'),
+    (
+        "unknown key",
+        _set(("plan", "speed"), 1),
+        r"plan\.speed: is an unknown key \(written by a newer flextensor",
+    ),
+    ("unknown top-level key", _set(("extra",), 1), r"invalid: extra: is an unknown key"),
     ("missing key", _delete(("measurements", "units", 1, "compute_s")), r"units\[1\]\.compute_s: is missing"),
     ("missing top-level key", _delete(("plan",)), r"invalid: plan: is missing"),
-    ("world size 0", _set(("fingerprint", "world_size"), 0), r"fingerprint\.world_size: must be greater than or equal to 1, got 0"),
-    ("link point", _set(("measurements", "link", "points"), [[0, 1.0]]), r"measurements\.link: link points must be positive"),
+    (
+        "world size 0",
+        _set(("fingerprint", "world_size"), 0),
+        r"fingerprint\.world_size: must be greater than or equal to 1, got 0",
+    ),
+    (
+        "link point",
+        _set(("measurements", "link", "points"), [[0, 1.0]]),
+        r"measurements\.link: link points must be positive",
+    ),
     ("no link point", _set(("measurements", "link", "points"), []), r"measurements\.link: a LinkModel needs"),
     ("created_at", _set(("created_at",), "yesterday"), r"created_at is \"yesterday\", not an ISO 8601"),
     (

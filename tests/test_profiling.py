@@ -111,3 +111,17 @@ def test_one_noisy_profiling_forward_does_not_become_the_plan() -> None:
     plan = flextensor.status(model).plan
     assert plan is not None and plan.predicted_step_s < 0.02
     assert forwards == 3  # discovery, the noisy profiling forward, and the one profiled again
+
+
+def test_a_torch_profiler_sees_the_offloaders_waits_and_copies() -> None:
+    model = _Stack()
+    flextensor.offload(model, streaming_config(model, ["layers.*"]))
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        for _ in range(4):
+            model(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(x)
+    names = {event.name for event in prof.events()}
+    assert {f"flextensor.wait_for layers.{i}" for i in range(4)} <= names
+    assert any(name.startswith("flextensor.prefetch_after") for name in names)

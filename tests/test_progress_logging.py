@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,17 +57,28 @@ def test_progress_auto_is_off_when_stderr_is_not_a_terminal(
     assert capsys.readouterr().err == ""
 
 
-def test_progress_forced_shows_a_bar_on_stderr(
+def test_progress_forced_into_a_log_writes_plain_lines(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("FT_PROGRESS", "1")
+    monkeypatch.setenv("FT_PROGRESS", "1")  # stderr is captured here: not a terminal
     with progress_bar("Packing weights", 3 * 2**20, unit="bytes", delay_s=0) as bar:
         for _ in range(3):
             bar.advance(2**20)
     assert bar.shown and bar.completed == 3 * 2**20
     captured = capsys.readouterr()
-    assert "Packing weights" in captured.err and "3.0/3.0 MiB" in captured.err
+    assert "Packing weights ..." in captured.err
+    assert "Packing weights done 3.0 MiB of 3.0 MiB (100%)" in captured.err
+    assert "\x1b" not in captured.err and "\r" not in captured.err  # no colour codes, no redraws
     assert captured.out == ""
+
+
+def test_progress_on_a_terminal_draws_a_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flextensor.progress import ProgressBar
+
+    bar = ProgressBar("Packing weights", 2**20, unit="bytes", delay_s=0, force_terminal=True)
+    bar.advance(2**20)
+    bar.close()
+    assert bar.shown
 
 
 def test_progress_appears_only_after_the_delay(
@@ -90,9 +102,11 @@ def test_progress_appears_only_after_the_delay(
 
 def test_progress_closes_on_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FT_PROGRESS", "1")
+    timers = {t for t in threading.enumerate() if isinstance(t, threading.Timer)}
     with pytest.raises(RuntimeError, match="boom"), progress_bar("Failing work", 2, delay_s=30) as bar:
         raise RuntimeError("boom")
-    assert bar._timer is not None and not bar._timer.is_alive()
+    assert not bar.shown
+    assert {t for t in threading.enumerate() if isinstance(t, threading.Timer)} <= timers  # none left
 
 
 # -- logging ------------------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from torch import nn
 import flextensor
 from flextensor import shared_store
 from flextensor.api import engine_of
-from flextensor.layout import provisional_arena_bytes
 from flextensor.errors import FlexTensorError, ProfileError
+from flextensor.layout import provisional_arena_bytes
 
 WIDTH, DEPTH = 32, 4
 CHILD_TIMEOUT_S = 60
@@ -121,7 +121,9 @@ def test_a_second_model_with_the_same_weights_maps_the_same_copy(shm: Path) -> N
     a = flextensor.offload(make_model(), shared_config())
     b = flextensor.offload(make_model(), shared_config())
     assert len(segments(shm)) == 1
-    assert [u.host_bytes for u in flextensor.status(a).units] == [u.host_bytes for u in flextensor.status(b).units]
+    assert [u.host_bytes for u in flextensor.status(a).units] == [
+        u.host_bytes for u in flextensor.status(b).units
+    ]
     flextensor.release(a)
     assert len(segments(shm)) == 1  # b still holds it
     flextensor.release(b)
@@ -326,3 +328,42 @@ def _child(role: str, shm: str, seed: int) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+def _wide(swap: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    if swap:  # two rows swapped: the same sum of words, and outside the sampled byte windows
+        with torch.no_grad():
+            model[0].weight[[1, 2]] = model[0].weight[[2, 1]]
+    return model
+
+
+def test_another_checkpoint_whose_digest_collides_gets_its_own_segment(shm: Path) -> None:
+    assert shared_store.content_digest([_wide()[0].weight.data]) == shared_store.content_digest(
+        [_wide(swap=True)[0].weight.data]
+    )  # the cheap digest cannot tell them apart...
+    x = torch.randn(2, 1024)
+    with torch.no_grad():
+        expected = _wide(swap=True)(x)
+    first = flextensor.offload(_wide(), shared_config())
+    second = flextensor.offload(_wide(swap=True), shared_config())
+    assert len(segments(shm)) == 2  # ...the byte comparison before attaching can
+    with torch.no_grad():
+        assert torch.equal(run_to_steady_state(second, x), expected)
+    flextensor.release(first)
+    flextensor.release(second)
+
+
+def test_state_dict_of_a_shared_model_cannot_change_another_process_weights(shm: Path) -> None:
+    a = flextensor.offload(make_model(), shared_config())
+    b = flextensor.offload(make_model(), shared_config())
+    x = torch.randn(3, WIDTH)
+    expected = make_model()(x)
+    state = a.state_dict()
+    with torch.no_grad():
+        state["0.weight"].mul_(2)  # copy on write: this tensor only
+    assert torch.equal(run_to_steady_state(b, x), expected)
+    assert torch.equal(b.state_dict()["0.weight"], make_model()[0].weight)
+    flextensor.release(a)
+    flextensor.release(b)

@@ -35,7 +35,7 @@ from .profiling import (
 )
 from .slots import DeviceStore
 from .status import OffloadStatus, status_of
-from .steady import OutsideForwardStep, RecordedStep, SteadyStep
+from .steady import OutsideForwardStep, ProfiledStep, RecordedStep, SteadyStep, profiler_running
 from .timeline import StepRecorder
 from .units import Placement, Unit
 
@@ -137,7 +137,19 @@ class OffloadEngine:
 
     def begin_forward(self, args: tuple, kwargs: dict) -> None:
         """The outermost forward starts: lay out if needed, switch plans for new inputs, pick its driver."""
+        if torch.jit.is_tracing():
+            raise UnsupportedOperationError(
+                "torch.jit.trace cannot record an offloaded model: the trace would capture the weights the "
+                "arena held while tracing, not the streaming; use torch.compile, or trace the model before "
+                "offload() or after flextensor.release(model)"
+            )
         signature = input_signature(args, kwargs)
+        if self.phase is Phase.PROFILING and self._samples and signature != self.signature:
+            # Profiling the previous inputs was cut short by other ones (generate(): a prefill, then
+            # decode steps) before it had all its forwards: plan those inputs from what was profiled,
+            # rather than mix these inputs' samples into theirs (a plan keyed by these inputs, made
+            # from both, and none for the previous ones).
+            self._plan_from_samples()
         if self.phase is Phase.INFERENCE:
             if signature != self.signature or not self.laid_out:
                 self._switch_to(signature)
@@ -169,6 +181,8 @@ class OffloadEngine:
         if self._record_next:
             self._record_next = False
             return RecordedStep(self.store, StepRecorder(self.runtime, self.forwards))
+        if profiler_running():
+            return ProfiledStep(self.store)
         return self._steady
 
     def end_forward(self, error: type[BaseException] | None) -> None:
@@ -247,8 +261,13 @@ class OffloadEngine:
         self._lay_out_to_profile()
 
     def _keep_outside_read_resident(self, param_id: int, func: Any) -> None:
+        unit = self.owner_of.get(param_id)
+        if unit is None:
+            # Already made resident in this forward (a unit found running inside another): the read
+            # tracker's map is the forward's snapshot, and it sees keep_parameter_resident's own
+            # ``param.data = ...`` as a read. Nothing streams any more, so nothing to do.
+            return
         self._outside_reads += 1
-        unit = self.owner_of[param_id]
         self.keep_parameter_resident(
             param_id, f"read outside its unit {unit.name!r} (by {getattr(func, '__name__', func)})"
         )
@@ -304,11 +323,17 @@ class OffloadEngine:
             return
         assert self.signature is not None
         timing = self._timing_samples.get(self.signature)
-        timing_only = (timing,) if timing is not None else ()
         if samples_disagree(self._samples, timing) and self._extra_forwards < EXTRA_FORWARDS:
             self._extra_forwards += 1
             logger.info("profiled step times disagree by more than 2x; profiling one more forward")
             return
+        self._plan_from_samples()
+
+    def _plan_from_samples(self) -> None:
+        """Plan the inputs being profiled from the forwards profiled so far, and enter steady state."""
+        assert self.signature is not None
+        timing = self._timing_samples.get(self.signature)
+        timing_only = (timing,) if timing is not None else ()
         link = self.link or LinkModel.constant(1e12)
         measurements = combine_samples(
             self._samples, link, self.store.device_bytes_held(), self.signature, timing_only

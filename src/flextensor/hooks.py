@@ -68,6 +68,7 @@ class ForwardBracket:
         self._model = model
         self.depth = 0
         self.owner: int | None = None
+        self.handled_at_start: BaseException | None = None  # what sys.exc_info() held as the forward began
         self._lock = threading.Lock()  # makes the owner check-and-set atomic between threads
 
     @property
@@ -108,6 +109,18 @@ class ForwardBracket:
         return owner is not None and owner != threading.get_ident()
 
 
+_GUARDED = ("_apply", "__reduce_ex__", "__deepcopy__")
+"""Methods an offloaded model carries on its instance, removed with the hooks."""
+
+
+def _refuse_copy(*args: Any) -> Any:
+    raise UnsupportedOperationError(
+        "an offloaded model cannot be pickled, saved whole or deep-copied: its weights live in flextensor's "
+        "host packs and device arena, not in its parameters; save model.state_dict() (torch.save or "
+        "safetensors) instead, or call flextensor.release(model) first"
+    )
+
+
 class ModelHooks:
     """The hooks on one offloaded model; built by the engine, removed by :meth:`detach`."""
 
@@ -142,6 +155,10 @@ class ModelHooks:
         # from the arena: guard them on the instance until release(). A no-op move (a diffusers
         # pipeline's pipe.to("cuda") reaching an offloaded transformer) still goes through.
         model._apply = self._guarded_apply  # type: ignore[method-assign]
+        # pickle, torch.save(model) and copy.deepcopy find these on the instance before the class's: they
+        # would otherwise fail deep inside on the engine's mmaps and hooks, or copy views of the arena.
+        model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign,assignment]
+        model.__deepcopy__ = _refuse_copy  # type: ignore[attr-defined]
 
     def hook_units(self, wanted: Iterable[Unit]) -> None:
         """Hook exactly the ``wanted`` units (plan time only): add missing pairs, remove the others."""
@@ -158,7 +175,8 @@ class ModelHooks:
 
     def detach(self) -> None:
         """Remove every hook and guard; safe to call twice."""
-        self._controller.model.__dict__.pop("_apply", None)
+        for name in _GUARDED:
+            self._controller.model.__dict__.pop(name, None)
         for handle in self._model_handles:
             handle.remove()
         self._model_handles.clear()
@@ -178,6 +196,9 @@ class ModelHooks:
             bracket.claim()
         bracket.depth += 1
         if bracket.depth == 1:
+            # A forward called inside an `except` block sees that exception in sys.exc_info() all along:
+            # remember it, so that it is not taken for one the forward raised.
+            bracket.handled_at_start = sys.exc_info()[1]
             controller.begin_forward(args, kwargs)
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -187,8 +208,12 @@ class ModelHooks:
         bracket.depth -= 1
         if bracket.depth > 0:
             return
-        # PyTorch calls always_call hooks from inside its exception handler when forward raised.
-        self._controller.end_forward(sys.exc_info()[0] if output is None else None)
+        # PyTorch calls always_call hooks from inside its exception handler when forward raised; a forward
+        # that returns None does too, and may run inside the caller's own exception handler.
+        error = sys.exc_info()[1] if output is None else None
+        failed = error is not None and error is not bracket.handled_at_start
+        bracket.handled_at_start = None
+        self._controller.end_forward(type(error) if failed else None)
 
     def _unit_pre(self, unit: Unit) -> Callable[[nn.Module, tuple], None]:
         controller = self._controller

@@ -10,40 +10,42 @@ Include and exclude name patterns match differently, on purpose: an include sele
 depth (segment-wise, ``layers.*`` selects ``layers.0`` but not ``layers.0.attn``), while an exclude is a
 whole-string glob whose ``*`` spans dots (``*.norm`` removes a norm at any depth).
 
-Pure string logic: no torch.
+Pure string logic: no torch. A malformed pattern raises ConfigError (a ValueError).
 """
 
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
+from .errors import ConfigError
+
 CLASS_PREFIX = "class:"
 
 
 def validate_pattern(pattern: object) -> str:
-    """Return ``pattern`` if it is a well-formed include/exclude pattern, else raise ValueError.
+    """Return ``pattern`` if it is a well-formed include/exclude pattern, else raise ConfigError.
 
     Well-formed: a non-empty string without surrounding or inner whitespace; a ``prefix:`` is only allowed
     as ``class:<glob>`` with a non-empty glob.
     """
     if not isinstance(pattern, str):
-        raise ValueError(
+        raise ConfigError(
             f"pattern {pattern!r} is a {type(pattern).__name__}; patterns are strings such as 'layers.*' "
             "or 'class:LlamaDecoderLayer'"
         )
     if not pattern.strip():
-        raise ValueError("empty pattern; remove it or write a module path such as 'layers.*'")
+        raise ConfigError("empty pattern; remove it or write a module path such as 'layers.*'")
     if pattern != pattern.strip() or any(c.isspace() for c in pattern):
-        raise ValueError(f"pattern {pattern!r} contains whitespace; module paths never do")
+        raise ConfigError(f"pattern {pattern!r} contains whitespace; module paths never do")
     if ":" in pattern:
         prefix, _, glob = pattern.partition(":")
         if prefix + ":" != CLASS_PREFIX:
-            raise ValueError(
+            raise ConfigError(
                 f"pattern {pattern!r} has an unknown prefix {prefix + ':'!r}; the only prefix is "
                 f"'class:' (e.g. 'class:{glob or 'MoELayer'}')"
             )
         if not glob:
-            raise ValueError(f"pattern {pattern!r} names no class; write e.g. 'class:MoELayer'")
+            raise ConfigError(f"pattern {pattern!r} names no class; write e.g. 'class:MoELayer'")
     return pattern
 
 

@@ -2,7 +2,8 @@
 
 A bar appears on stderr only when the work has lasted :data:`SHOW_AFTER_S` seconds, so fast calls stay
 silent, and only when stderr is a terminal; ``FT_PROGRESS=0`` turns bars off everywhere and
-``FT_PROGRESS=1`` turns them on even when stderr is not a terminal (a log file, CI)::
+``FT_PROGRESS=1`` turns them on even when stderr is not a terminal (a log file, CI), where they are
+plain lines every :data:`PLAIN_EVERY_S` seconds rather than a redrawn bar::
 
     with progress_bar("Packing weights", total=total_bytes, unit="bytes") as bar:
         for unit in units:
@@ -27,6 +28,10 @@ PROGRESS_ENV_VAR = "FT_PROGRESS"
 
 SHOW_AFTER_S = 1.0
 """Work that finishes sooner shows no bar: a bar that flashes for a moment is noise."""
+
+PLAIN_EVERY_S = 5.0
+"""With ``FT_PROGRESS=1`` and stderr not a terminal (a log file, CI), one plain line this often instead of
+a redrawn bar: no colour codes or carriage returns in the log."""
 
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"0", "false", "no", "off"})
@@ -68,6 +73,7 @@ class ProgressBar:
         delay_s: float = SHOW_AFTER_S,
         enabled: bool = True,
         force_terminal: bool = False,
+        plain: bool = False,
     ) -> None:
         self.description = description
         self.total = total
@@ -75,6 +81,8 @@ class ProgressBar:
         self.enabled = enabled
         self.completed = 0.0
         self._force_terminal = force_terminal
+        self._plain = plain
+        self._lines = 0
         self._lock = threading.Lock()
         self._progress: Any = None
         self._task: Any = None
@@ -91,8 +99,34 @@ class ProgressBar:
 
     @property
     def shown(self) -> bool:
-        """Whether the bar is (or was) on screen."""
-        return self._progress is not None
+        """Whether the bar is (or was) on screen (or, in plain mode, a line was written)."""
+        return self._progress is not None or self._lines > 0
+
+    def _plain_line(self, final: bool = False) -> None:
+        elapsed = max(time.monotonic() - self._started_at, 1e-9)
+        done = self.completed
+        if self.unit == "bytes":
+            from .sizes import format_bytes
+
+            amount = format_bytes(int(done)) + (f" of {format_bytes(int(self.total))}" if self.total else "")
+            rate = f", {done / elapsed / 1e9:.2f} GB/s"
+        else:
+            amount = f"{int(done)}" + (f" of {int(self.total)}" if self.total else "")
+            rate = ""
+        share = f" ({done / self.total:.0%})" if self.total else ""
+        state = "done" if final else "..."
+        sys.stderr.write(f"{self.description} {state} {amount}{share} in {elapsed:.1f} s{rate}\n")
+        sys.stderr.flush()
+        self._lines += 1
+
+    def _plain_tick(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._plain_line()
+            self._timer = threading.Timer(PLAIN_EVERY_S, self._plain_tick)
+            self._timer.daemon = True
+            self._timer.start()
 
     def advance(self, n: float = 1) -> None:
         """Record ``n`` more items (or bytes) done."""
@@ -104,6 +138,9 @@ class ProgressBar:
                 self._progress.update(self._task, completed=self.completed)
 
     def _show(self) -> None:
+        if self._plain:
+            self._plain_tick()
+            return
         from rich.console import Console
         from rich.errors import LiveError
         from rich.progress import (
@@ -152,7 +189,12 @@ class ProgressBar:
             timer.join(timeout=1.0)  # no thread left behind (a bar appearing after the work ended)
         with self._lock:
             self._closed = True
+            timer = self._timer
             progress, self._progress = self._progress, None
+            if self._plain and self._lines:
+                self._plain_line(final=True)
+        if timer is not None:
+            timer.cancel()
         if progress is not None:
             progress.update(self._task, completed=self.completed)
             progress.stop()
@@ -174,14 +216,15 @@ def progress_bar(
     cheap (a lock and an add); the bar is closed when the block exits, also on an error.
     """
     mode = progress_mode()
-    enabled = mode == "forced" or (mode == "auto" and _stderr_is_terminal())
+    terminal = _stderr_is_terminal()
+    enabled = mode == "forced" or (mode == "auto" and terminal)
     bar = ProgressBar(
         description,
         total,
         unit=unit,
         delay_s=delay_s,
         enabled=enabled,
-        force_terminal=mode == "forced",
+        plain=mode == "forced" and not terminal,
     )
     try:
         yield bar

@@ -320,20 +320,28 @@ def _nothing_streamed(
     units: tuple[str, ...],
 ) -> str:
     """The SelectionError message: the patterns, why nothing streams, and names that would work."""
+    if not any(True for _ in model.parameters()):
+        return (
+            f"{type(model).__name__} has no parameters, so there is nothing to offload; offload the model "
+            "that holds the weights"
+        )
     top = [name for name, _ in model.named_children()]
-    # A repeated block list (layers, h, blocks) is what most users want to stream.
+    # A repeated block list (layers, h, blocks) is what most users want to stream; never suggest a
+    # pattern that was just tried.
     lists = [p for p, m in model.named_modules() if p and not _runs_forward(m) and len(m._modules) > 1]
-    example = f"{lists[0]}.*" if lists else (top[0] if top else "*")
+    candidates = [f"{p}.*" for p in lists] + top + ["*"]
+    example = next((c for c in candidates if c not in include), None)
+    other = f"include_patterns=[{example!r}]" if example is not None else None
     if units:
         why = (
             f"the {len(units)} offload unit(s) found ({', '.join(units[:3])}) keep every parameter "
-            "resident (excluded or tied); loosen exclude_patterns, or"
+            "resident (excluded or tied): loosen exclude_patterns" + (f", or try {other}" if other else "")
         )
     else:
-        why = "they select no module that runs a forward;"
+        why = "they select no module that runs a forward" + (f"; try {other}" if other else "")
     n_modules = sum(1 for _ in model.modules())
     return (
         f"include_patterns={list(include)} with exclude_patterns={list(exclude)} stream nothing in "
-        f"{type(model).__name__} ({n_modules} modules): {why} try include_patterns=[{example!r}] or ['*']. "
+        f"{type(model).__name__} ({n_modules} modules): {why}. "
         f"Top-level modules: {', '.join(map(repr, top[:8])) or 'none'}"
     )

@@ -221,9 +221,10 @@ def pack_shared(
     deadline = time.monotonic() + timeout
     waited = False
     stuck = "if that process is stuck, stop it (a later start removes what it left)"
+    collisions = 0  # segments of this digest found to hold other bytes: the next name is tried
     while True:
         if has_data:
-            path = prefix + digest.hex()[:16]
+            path = prefix + digest.hex()[:16] + (f"-{collisions}" if collisions else "")
             with _mutex(path):
                 state, fd = _inspect(path, layout)
                 if state in ("absent", "removed"):
@@ -233,7 +234,11 @@ def pack_shared(
             if state == "created":
                 return _pack_as_creator(path, _checked(fd), layout, units, pin, advance)
             if state == "ready":
-                return _attach(model, path, _checked(fd), layout, units, pin, advance)
+                attached = _attach(model, path, _checked(fd), layout, units, pin, advance, verify=True)
+                if attached is not None:
+                    return attached
+                collisions += 1  # another model's weights with the same digest: never attach to them
+                continue
             what, hint = f"another process to finish packing the weights into {path}", stuck
         else:
             live = _live_segments(prefix, layout)
@@ -248,7 +253,9 @@ def pack_shared(
                     "process (they are freed once it attaches), or set share_host_memory=False"
                 )
             if ready:
-                return _attach(model, *ready[0], layout, units, pin, advance)
+                attached = _attach(model, *ready[0], layout, units, pin, advance, verify=False)
+                assert attached is not None  # nothing to verify against: attaching cannot be refused
+                return attached
             what, hint = (
                 (f"another process to finish packing the weights into {live[0][0]}", stuck)
                 if live
@@ -313,14 +320,25 @@ def _attach(
     units: Sequence[tuple[str, Named]],
     pin: bool,
     advance: Advance,
-) -> SharedPacks:
-    """Point the parameters at a READY segment (this process holds a shared lock on ``fd``)."""
+    verify: bool,
+) -> SharedPacks | None:
+    """Point the parameters at a READY segment (this process holds a shared lock on ``fd``).
+
+    With ``verify`` (a process that holds real weights) the segment's bytes are compared with the
+    parameters' first: when they differ (another checkpoint whose cheap digest collided) this process
+    leaves the segment untouched and returns None. Meta parameters have nothing to compare.
+    """
     try:
         segment = SharedSegment(path, fd, layout.total, pin)
     except BaseException:
         _leave(path, fd, os.getpid())
         raise
     packs = [segment.pack(name, entries, off, n) for name, entries, off, n in layout.units]
+    if verify and not _holds(packs, units):
+        logger.info("shared segment %s holds other weights with the same digest; using another", path)
+        for pack in packs:
+            pack.free()  # the last one closes this process's hold
+        return None
     new: dict[int, nn.Parameter] = {}
     for pack, (_, named) in zip(packs, units, strict=True):
         for entry, (_, param) in zip(pack.entries, named, strict=True):
@@ -341,6 +359,17 @@ def _attach(
     logger.info("attached to the shared host copy of the weights in %s", path)
     parameters = [[(fqn, new.get(id(p), p)) for fqn, p in named] for _, named in units]
     return SharedPacks(packs, parameters, swapped)
+
+
+def _holds(packs: Sequence[UnitPack], units: Sequence[tuple[str, Named]]) -> bool:
+    """Whether the packs hold exactly the bytes of the units' parameters (bitwise: -0.0, NaN payloads)."""
+    for pack, (_, named) in zip(packs, units, strict=True):
+        for entry, (_, param) in zip(pack.entries, named, strict=True):
+            mine = param.data.detach().contiguous().reshape(-1).view(torch.uint8)
+            theirs = pack.view(entry).contiguous().reshape(-1).view(torch.uint8)
+            if not torch.equal(mine, theirs):
+                return False
+    return True
 
 
 # -- files and locks -----------------------------------------------------------------------------------

@@ -41,13 +41,26 @@ from .units import Placement, Unit
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["DeviceStore", "StoreCounters", "allocate_device_bytes", "copy_into_range", "holds_weights"]
+__all__ = [
+    "DeviceStore",
+    "StoreCounters",
+    "allocate_device_bytes",
+    "copy_into_range",
+    "holds_weights",
+    "release_copy",
+]
 
 
 def allocate_device_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """``nbytes`` of uninitialised device memory: every arena and resident storage comes from here (one
     place to see, and for tests to fail, what a layout allocates)."""
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def release_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A private copy of ``tensor`` on ``device``, strides kept: what a released parameter holds (one place
+    for tests to fail part-way, as running out of memory would)."""
+    return tensor.to(device, copy=True)
 
 
 def holds_weights(unit: Unit, owner: list[Unit | None]) -> bool:
@@ -296,7 +309,7 @@ class DeviceStore:
             for _, param, entry in unit.parameters:
                 # A copy each, also from a resident unit's storage on the target: a view would keep the
                 # unit's padded storage alive and shared (which safetensors and torch.save refuse).
-                built[id(param)] = unit.kept(entry).to(target, copy=True)
+                built[id(param)] = release_copy(unit.kept(entry), target)
         return built
 
     def free_everything(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .errors import SelectionError
 from .plan import Plan
 
 if TYPE_CHECKING:
@@ -64,11 +65,15 @@ class OffloadStatus:
     layouts: int
 
     def unit(self, name: str) -> UnitStatus:
-        """The status of the unit ``name`` (KeyError if it is not an offload unit)."""
+        """The status of the unit ``name`` (SelectionError if it is not an offload unit)."""
         for unit in self.units:
             if unit.name == name:
                 return unit
-        raise KeyError(name)
+        raise SelectionError(
+            f"{name!r} is not an offload unit of this {self.model}; its units are "
+            + ", ".join(repr(u.name) for u in self.units[:5])
+            + (", ..." if len(self.units) > 5 else "")
+        )
 
     @property
     def streamed(self) -> tuple[str, ...]:

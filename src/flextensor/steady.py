@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .slots import DeviceStore, copy_into_range, holds_weights
 from .timeline import StepRecorder
 from .units import Placement, Unit
 
-__all__ = ["OutsideForwardStep", "RecordedStep", "SteadyStep"]
+__all__ = ["OutsideForwardStep", "ProfiledStep", "RecordedStep", "SteadyStep", "profiler_running"]
 
 
 class SteadyStep:
@@ -109,6 +111,30 @@ class RecordedStep(SteadyStep):
                 end.record(copy)
         finally:
             self.set_stream(self.compute)
+
+
+class ProfiledStep(SteadyStep):
+    """A steady forward while a profiler runs (``torch.profiler.profile``, or ``emit_nvtx`` for Nsight):
+    the same work, inside named ranges, so that the trace shows where the offloader waits and copies."""
+
+    __slots__ = ()
+
+    def pre(self, unit: Unit) -> None:
+        with torch.profiler.record_function(f"flextensor.wait_for {unit.name}"):
+            super().pre(unit)
+
+    def post(self, unit: Unit, output: Any) -> None:
+        if unit.prefetch_next:
+            with torch.profiler.record_function(f"flextensor.prefetch_after {unit.name}"):
+                super().post(unit, output)
+        else:
+            super().post(unit, output)
+
+
+def profiler_running() -> bool:
+    """Whether a torch profiler (Kineto, or NVTX ranges for Nsight) records right now: asked once per
+    forward, so that forwards without one pay for no range."""
+    return torch._C._autograd._profiler_enabled()
 
 
 class OutsideForwardStep:
