@@ -70,7 +70,11 @@ def _tightest_budget(model: nn.Module, config_fields: dict, x: torch.Tensor) -> 
 
     import flextensor
     from flextensor.planner import minimal_need_bytes
-    from flextensor.profile_file import load_profile_file
+
+    try:
+        from flextensor.profile_file import load_profile_file
+    except ImportError:  # the engine before its redesign (benchmarked for the before/after numbers)
+        from flextensor.profile import load_profile_file  # type: ignore[no-redef]
 
     flextensor.offload(model, flextensor.OffloadConfig(**config_fields))
     with torch.no_grad():
