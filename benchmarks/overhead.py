@@ -32,6 +32,9 @@ SCALING_UNITS = (1_000, 10_000)
 TIMED_FORWARDS = 50
 """Steady forwards timed per variant; the median is reported."""
 
+PROFILE_HOST = False
+"""Set by --profile: print where the host time of 20 steady forwards goes (cProfile)."""
+
 
 class Stack(nn.Module):
     """``units`` linear layers applied in sequence; each layer is one offload unit."""
@@ -107,6 +110,15 @@ def per_unit_overhead(device: torch.device, units: int, hidden: int) -> dict[str
             model(x)
     _host_times(model, x, device, 5)
     offloaded_s = statistics.median(_host_times(model, x, device, TIMED_FORWARDS))
+    if PROFILE_HOST:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _host_times(model, x, device, 20)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     streamed = sum(1 for row in flextensor.report(model).units if not row.resident)
     flextensor.release(model)
     return {
@@ -170,11 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--units", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="cProfile 20 steady offloaded forwards")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(scaling_child(args.child, args.device)))
         return 0
+    global PROFILE_HOST
+    PROFILE_HOST = args.profile
     device = torch.device(args.device)
     row = per_unit_overhead(device, args.units, args.hidden)
     print(

@@ -183,3 +183,17 @@ def test_resident_units_drop_their_host_copy_and_get_it_back_pinned_when_they_st
         for n in (64, 256, 64):
             assert torch.equal(model(inputs[n].cuda()).logits, refs[n])
     flextensor.release(model)
+
+
+def test_a_model_dropped_without_release_unpins_its_host_memory() -> None:
+    """Packs collected without release() are page-unlocked before their memory is unmapped: otherwise
+    the next pack mapped at the same address fails to pin (cudaErrorHostMemoryAlreadyRegistered)."""
+    import gc
+
+    for _ in range(3):
+        model = flextensor.offload(Heavy(dim=1024, layers=4), flextensor.OffloadConfig())
+        with torch.no_grad():
+            model(torch.randn(8, 1024, device="cuda"))
+        del model
+        gc.collect()
+    torch.cuda.synchronize()

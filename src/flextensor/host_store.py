@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -108,9 +109,22 @@ def page_lock(buffer: torch.Tensor, nbytes: int, what: str) -> None:
         )
 
 
-def page_unlock(buffer: torch.Tensor) -> None:
-    """Undo :func:`page_lock` of the memory starting at ``buffer``'s first byte."""
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+def unlock_when_gone(owner: object, mapping: mmap.mmap, pointer: int) -> weakref.finalize:
+    """Page-unlock ``pointer`` (the start of ``mapping``) when ``owner`` is collected, or when the
+    returned finalizer is called, whichever comes first, once.
+
+    Memory unmapped while still registered stays registered with the driver: the next mapping at that
+    address then fails to register (cudaErrorHostMemoryAlreadyRegistered, 712). The finalizer holds
+    ``mapping``, so the memory cannot be unmapped before it is unlocked. Not run at exit: the process's
+    end releases both.
+    """
+    finalizer = weakref.finalize(owner, _unlock, mapping, pointer)
+    finalizer.atexit = False
+    return finalizer
+
+
+def _unlock(mapping: mmap.mmap, pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
 
 
 class PackOwner(Protocol):
@@ -152,8 +166,10 @@ class UnitPack:
             # Huge pages make the page-locking below several times faster for large units.
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=mapped)[:nbytes]
+        self._unlock: weakref.finalize | None = None
         if pin:
             page_lock(self.buffer, self._held, f"unit {self.unit!r}")
+            self._unlock = unlock_when_gone(self, self._mmap, self.buffer.data_ptr())
             self.pinned = True
 
     @classmethod
@@ -169,6 +185,7 @@ class UnitPack:
         pack._owner = owner
         pack._owner_offset = buffer.storage_offset()
         pack._mmap = None
+        pack._unlock = None
         pack._held = align_up(max(pack.nbytes, 1), PAGE)
         pack.buffer = buffer
         return pack
@@ -219,9 +236,10 @@ class UnitPack:
             return
         if self._mmap is None:
             return
-        if self.pinned:
-            page_unlock(self.buffer)
-            self.pinned = False
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock = None
+        self.pinned = False
         del self.buffer
         self._mmap = None
 

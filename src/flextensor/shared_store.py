@@ -55,7 +55,7 @@ from .host_store import (
     fill_pack,
     pack_layout,
     page_lock,
-    page_unlock,
+    unlock_when_gone,
     unpack,
 )
 from .selection import parameter_signatures
@@ -145,8 +145,10 @@ class SharedSegment:
         self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total)
         self._pinned = False
         self._users = 0
+        self._unlock: weakref.finalize | None = None
         if pin:
             page_lock(self.buffer, total, f"the shared segment {path}")
+            self._unlock = unlock_when_gone(self, self._mmap, self.buffer.data_ptr())
             self._pinned = True
         # Runs at close(), when this object dies, or at exit: whichever comes first, once. Made last:
         # if anything above fails, the caller still owns ``fd`` and leaves.
@@ -179,8 +181,9 @@ class SharedSegment:
 
     def close(self) -> None:
         """Unpin and leave: the last process to leave removes the segment."""
-        if self._pinned:
-            page_unlock(self.buffer)
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock = None
             self._pinned = False
         self._leave()
 
