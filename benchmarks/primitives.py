@@ -62,18 +62,25 @@ def main() -> int:
         torch.cuda.set_stream(main_stream)
 
     rows.append(("copy_ 128 KiB pinned, on a side stream (incl. switch)", _per_call_us(copy_on_side)))
-    rows.append(("copy_ 128 KiB pinned, current stream", _per_call_us(lambda: dst.copy_(src, non_blocking=True))))
+    same_stream = _per_call_us(lambda: dst.copy_(src, non_blocking=True))
+    rows.append(("copy_ 128 KiB pinned, current stream", same_stream))
 
     driver = ctypes.CDLL("libcuda.so.1")
     driver.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     driver.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    driver.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    driver.cuMemcpyHtoDAsync_v2.argtypes = [
+        ctypes.c_uint64,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+    ]
     ev, s_side, s_main = event.cuda_event, side.cuda_stream, main_stream.cuda_stream
     d_ptr, s_ptr, n = dst.data_ptr(), src.data_ptr(), src.numel()
     record, wait, memcpy = driver.cuEventRecord, driver.cuStreamWaitEvent, driver.cuMemcpyHtoDAsync_v2
     rows.append(("driver cuEventRecord (ctypes)", _per_call_us(lambda: record(ev, s_side))))
     rows.append(("driver cuStreamWaitEvent (ctypes)", _per_call_us(lambda: wait(s_main, ev, 0))))
-    rows.append(("driver cuMemcpyHtoDAsync 128 KiB (ctypes)", _per_call_us(lambda: memcpy(d_ptr, s_ptr, n, s_side))))
+    copy_us = _per_call_us(lambda: memcpy(d_ptr, s_ptr, n, s_side))
+    rows.append(("driver cuMemcpyHtoDAsync 128 KiB (ctypes)", copy_us))
 
     layer = nn.Linear(256, 256).cuda()
     x = torch.randn(1, 256, device="cuda")
