@@ -54,10 +54,6 @@ class Stack(nn.Module):
 # -- interrupts -----------------------------------------------------------------------------------------
 
 
-class _Alarm(Exception):
-    pass
-
-
 def _interrupted_forward(model: nn.Module, x: torch.Tensor, delay_s: float) -> bool:
     """Run a forward with a real SIGALRM raising KeyboardInterrupt after ``delay_s``; True if it hit."""
 
@@ -65,6 +61,7 @@ def _interrupted_forward(model: nn.Module, x: torch.Tensor, delay_s: float) -> b
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, interrupt)
+    grad = torch.is_grad_enabled()  # a signal inside no_grad's own __enter__/__exit__ can leave it off
     try:
         signal.setitimer(signal.ITIMER_REAL, delay_s)
         try:
@@ -79,6 +76,7 @@ def _interrupted_forward(model: nn.Module, x: torch.Tensor, delay_s: float) -> b
         hit = True
     finally:
         signal.signal(signal.SIGALRM, previous)
+        torch.set_grad_enabled(grad)
     return hit
 
 
