@@ -108,9 +108,17 @@ def unit_parameters(model: nn.Module, unit: str) -> list[torch.Tensor]:
 
 
 def storage_pointers(model: nn.Module, units: Iterable[str]) -> dict[str, int]:
-    """Where each unit's parameters live on the device: the storage they view (the unit's own storage
-    when resident, the arena when streamed)."""
-    return {u: unit_parameters(model, u)[0].untyped_storage().data_ptr() for u in units}
+    """Where each unit's parameters live on the device: the storage whose bytes they alias (the unit's
+    own storage when resident, the arena when streamed). Each parameter has a storage object of its own
+    over those bytes (see Unit.point_parameters), so the owner is found by address."""
+    engine = engine_of(model)
+    owners = {u.storage.untyped_storage() for u in engine.units.values() if u.storage is not None}
+    spans = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in owners]
+    pointers = {}
+    for u in units:
+        address = unit_parameters(model, u)[0].data_ptr()
+        pointers[u] = next(start for start, end in spans if start <= address < end)
+    return pointers
 
 
 def uploads(model: nn.Module) -> dict[str, int]:

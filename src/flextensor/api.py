@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 from torch import nn
@@ -35,6 +36,20 @@ __all__ = [
 _ENGINE_ATTR = "_flextensor_engine"
 
 
+def compiled_original(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wrapper compiles, else ``model`` itself.
+
+    offload() and release() work on that module and return the wrapper: its parameter names are the
+    module's own (no ``_orig_mod.`` prefix for the include patterns), and the wrapper's compiled calls
+    run the hooks put on it."""
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        if isinstance(model, OptimizedModule) and isinstance(model._orig_mod, nn.Module):
+            return model._orig_mod
+    return model
+
+
 def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     """Offload ``model``'s selected weights to host RAM and stream them to the device as it runs.
 
@@ -43,8 +58,10 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     execution order and profile it (see ``phase``; with ``config.profile`` the saved plan is in place at
     once); then weights are prefetched on a side stream, and units resident in every plan made so far free
     their host copy (unless it is shared between processes).
-    If anything fails here, the model is left exactly as it was.
+    If anything fails here, the model is left exactly as it was. ``model`` may be compiled already
+    (``torch.compile(model)``, ``model.compile()``): see docs/compile.md.
     """
+    wrapper, model = model, compiled_original(model)
     # Before check_offloadable: that one also refuses a model already offloaded (as a module of an
     # offloaded model), and the documented error for offloading the same model twice is this one.
     if getattr(model, _ENGINE_ATTR, None) is not None:
@@ -85,12 +102,12 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         "pinned" if target.pin else "pageable",
         target.device,
     )
-    return model
+    return wrapper
 
 
 def engine_of(model: nn.Module) -> OffloadEngine:
     """The engine that offloads ``model``; NotOffloadedError when flextensor does not manage it."""
-    engine = getattr(model, _ENGINE_ATTR, None)
+    engine = compiled_original(model).__dict__.get(_ENGINE_ATTR)
     if engine is None:
         raise NotOffloadedError(
             f"this {type(model).__name__} is not offloaded by flextensor; "
@@ -110,8 +127,9 @@ def release(model: nn.Module, device: str | torch.device | None = None) -> nn.Mo
     engine = engine_of(model)
     target = resolve_device(str(torch.device(device))) if device is not None else None
     engine.release(target)
-    unmark_offloaded(model)
-    delattr(model, _ENGINE_ATTR)
+    original = compiled_original(model)
+    unmark_offloaded(original)
+    delattr(original, _ENGINE_ATTR)
     return model
 
 

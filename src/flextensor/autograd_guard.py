@@ -43,14 +43,16 @@ class StreamedWeightGuard:
 
     def enter(self, arena: torch.Tensor) -> None:
         self.exit()
-        pointer = arena.untyped_storage().data_ptr()
+        # By address: each streamed parameter has a storage object of its own over the arena's bytes.
+        start = arena.data_ptr()
+        end = start + arena.nbytes
 
         def pack(tensor: torch.Tensor) -> Any:
             try:
                 storage = tensor.untyped_storage().data_ptr()
             except (RuntimeError, NotImplementedError):
                 return tensor  # wrapper subclasses and sparse tensors have no plain storage to alias
-            return _StreamedWeightRef() if storage == pointer else tensor
+            return _StreamedWeightRef() if start <= storage < end else tensor
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         self._hooks.__enter__()

@@ -74,25 +74,27 @@ class OutsideReadTracker(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def views_storage(output: Any, storage_pointer: int, device: torch.device, depth: int = 0) -> bool:
-    """Whether ``output`` (a tensor, or tuples/lists/dicts of them, nested) views the storage at
-    ``storage_pointer`` on ``device``."""
+def views_storage(output: Any, storage: torch.Tensor, depth: int = 0) -> bool:
+    """Whether ``output`` (a tensor, or tuples/lists/dicts of them, nested) views the bytes of
+    ``storage`` (by address: each parameter has a storage object of its own over the arena's bytes)."""
     if depth > MAX_NESTING:
         return False
     if isinstance(output, torch.Tensor):
-        if output.device != device:
+        if output.device != storage.device:
             return False
         try:
-            return output.untyped_storage().data_ptr() == storage_pointer
+            pointer = output.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return False  # tensors without a plain storage cannot view the arena
+        start = storage.data_ptr()
+        return start <= pointer < start + storage.nbytes
     if isinstance(output, dict):  # transformers' ModelOutput is a dict too
         values: Iterable[Any] = output.values()
     elif isinstance(output, (tuple, list)):
         values = output
     else:
         return False
-    return any(views_storage(value, storage_pointer, device, depth + 1) for value in values)
+    return any(views_storage(value, storage, depth + 1) for value in values)
 
 
 def clone_tensors(output: Any, depth: int = 0) -> Any:
@@ -183,9 +185,7 @@ class BehaviourChecks:
         if before is not None and before != tuple(param._version for _, param, _ in unit.parameters):
             self._stay(unit, "its forward writes its own weights", current_values=True)
         arena = self.store.arena
-        if arena is not None and views_storage(
-            output, arena.untyped_storage().data_ptr(), self.store.runtime.device
-        ):
+        if arena is not None and views_storage(output, arena):
             self._stay(unit, "its output is a view of its weights", current_values=True)
             # Later copies would overwrite what this output views: hand the caller a copy, taken
             # before compute_done is recorded so that those copies wait for it.
@@ -200,6 +200,8 @@ class BehaviourChecks:
 
 class DiscoveryStep:
     """The unit hooks' driver during a discovery forward: every unit loads on demand, nothing prefetches."""
+
+    eager_only = True  # the outside-read tracker sees torch calls only outside compiled graphs
 
     def __init__(self, store: DeviceStore, checks: BehaviourChecks, recorder: StepRecorder) -> None:
         self.store = store
@@ -245,6 +247,7 @@ class CheckedStep(RecordedStep):
     range."""
 
     __slots__ = ("checks",)
+    eager_only = True  # as DiscoveryStep
 
     def __init__(self, store: DeviceStore, recorder: StepRecorder, checks: BehaviourChecks) -> None:
         super().__init__(store, recorder)

@@ -24,7 +24,7 @@ from .errors import UnsupportedOperationError
 from .layout import provisional_arena_bytes
 from .measurements import LinkModel, Measurements
 from .plan import Plan
-from .plan_policy import PlanEntry, PlanPolicy, input_signature
+from .plan_policy import PlanEntry, PlanPolicy
 from .profiling import (
     EXTRA_FORWARDS,
     ProfilingStep,
@@ -135,7 +135,7 @@ class OffloadEngine:
 
     # -- forwards -----------------------------------------------------------------------------------------
 
-    def begin_forward(self, args: tuple, kwargs: dict) -> None:
+    def begin_forward(self, signature: tuple[str, ...]) -> None:
         """The outermost forward starts: lay out if needed, switch plans for new inputs, pick its driver."""
         if torch.jit.is_tracing():
             raise UnsupportedOperationError(
@@ -143,7 +143,6 @@ class OffloadEngine:
                 "arena held while tracing, not the streaming; use torch.compile, or trace the model before "
                 "offload() or after flextensor.release(model)"
             )
-        signature = input_signature(args, kwargs)
         if self.phase is Phase.PROFILING and self._samples and signature != self.signature:
             # Profiling the previous inputs was cut short by other ones (generate(): a prefill, then
             # decode steps) before it had all its forwards: plan those inputs from what was profiled,

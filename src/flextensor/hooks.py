@@ -22,8 +22,12 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 
+from . import compiled
+from .compiled import written_outputs
 from .errors import ConcurrentForwardError, UnsupportedOperationError
+from .plan_policy import input_signature
 from .units import Unit
 
 logger = logging.getLogger("flextensor")
@@ -45,8 +49,10 @@ class Controller(Protocol):
     model: nn.Module
     step: StepDriver
     bracket: ForwardBracket
+    runtime: Any  # DeviceRuntime
+    phase: Any  # engine.Phase
 
-    def begin_forward(self, args: tuple, kwargs: dict) -> None: ...
+    def begin_forward(self, signature: tuple[str, ...]) -> None: ...
 
     def end_forward(self, error: type[BaseException] | None) -> None: ...
 
@@ -112,6 +118,76 @@ class ForwardBracket:
 _GUARDED = ("_apply", "__reduce_ex__", "__deepcopy__")
 """Methods an offloaded model carries on its instance, removed with the hooks."""
 
+_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS = (
+    "_flextensor_hooks",
+    "_flextensor_model_id",
+    "_flextensor_token",
+    "_flextensor_spare",
+    "_flextensor_unit",
+    "_flextensor_weights",
+)
+"""Attributes a hooked module carries for the hook functions: its model's hooks object and id, the ops'
+token and spare tensors, and (unit modules) the unit's index and its parameters' names in the module."""
+
+
+def _unmark(module: nn.Module) -> None:
+    for name in (_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS):
+        module.__dict__.pop(name, None)
+
+
+# The hook functions: one of each for every model and unit, so that Dynamo, when it inlines them into a
+# compiled forward, sees the same code everywhere (see [Note: compiled hot path] in compiled.py).
+
+
+def unit_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():  # see [Note: compiled hot path] in compiled.py
+        weights = [module.get_parameter(name) for name in getattr(module, _WEIGHTS)]
+        token = getattr(module, _TOKEN)
+        torch.ops.flextensor.unit_pre(weights, token, getattr(module, _MODEL_ID), getattr(module, _UNIT))
+        return
+    values = module.__dict__
+    values[_HOOKS].run_unit_pre(values[_UNIT])
+
+
+def unit_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    if torch.compiler.is_compiling():
+        outputs = written_outputs(output, getattr(module, _SPARE))
+        token = getattr(module, _TOKEN)
+        torch.ops.flextensor.unit_post(outputs, token, getattr(module, _MODEL_ID), getattr(module, _UNIT))
+        return None
+    values = module.__dict__
+    return values[_HOOKS].run_unit_post(values[_UNIT], output)
+
+
+def model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():  # the model is part of a larger compiled module
+        signature = "|".join(input_signature(args, kwargs))
+        torch.ops.flextensor.model_begin(getattr(module, _TOKEN), getattr(module, _MODEL_ID), signature)
+        return
+    hooks = module.__dict__[_HOOKS]
+    if hooks.model_begin(args, kwargs):
+        # Switched off here, in this frame, not in a function it calls: Dynamo restores its callback when
+        # a skipped frame returns (see [Note: compiled hot path] in compiled.py).
+        previous = _set_eval_frame(False)
+        if previous is None or previous is False:
+            _set_eval_frame(previous)  # not inside a compiled call, but its modules may be compiled
+            hooks.stance = compiled.force_eager()
+        else:
+            hooks.eval_frame = previous
+
+
+def model_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        torch.ops.flextensor.model_end(getattr(module, _TOKEN), getattr(module, _MODEL_ID))
+        return
+    hooks = module.__dict__[_HOOKS]
+    previous = hooks.model_end(output)
+    if previous is not None:
+        _set_eval_frame(previous)
+    if hooks.stance is not None and not hooks._controller.bracket.running:
+        stance, hooks.stance = hooks.stance, None
+        stance.__exit__(None, None, None)
+
 
 def _refuse_copy(*args: Any) -> Any:
     raise UnsupportedOperationError(
@@ -130,6 +206,15 @@ class ModelHooks:
         self._controller_ref = weakref.ref(controller)
         self._model_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._unit_handles: dict[Unit, list[torch.utils.hooks.RemovableHandle]] = {}
+        self.units: dict[int, Unit] = {}  # Unit.index -> unit, for the hook functions and the ops
+        self.eval_frame: object = None  # Dynamo's frame callback, switched off while discovery runs
+        self.stance: Any = None  # torch.compiler.set_stance("force_eager") while discovery runs
+        self._guarding = False  # whether compiled graphs are guarded on module hooks yet
+        self.model_id = 0  # the constant compiled graphs carry (see compiled.py)
+        device = controller.runtime.device
+        # What the compiled ops mutate to keep their order: one element each, made once.
+        self.token = torch.zeros(1, device=device)
+        self.spare = torch.zeros(1, device=device)  # stands in for a unit input that is no tensor
 
     @property
     def _controller(self) -> Controller:
@@ -144,9 +229,16 @@ class ModelHooks:
     def attach(self) -> None:
         """The model-level hooks and guards (units are hooked by :meth:`hook_units`)."""
         model = self._controller.model
+        compiled.skip_hook_frames(
+            everything_eager=(unit_pre_hook, unit_post_hook, ModelHooks.model_begin, ModelHooks.model_end),
+            frame_only=(model_pre_hook, model_post_hook),
+        )
+        self._guarding = compiled.guard_hooks_if_compiling(model)
+        self.model_id = compiled.register(self)
+        self._mark(model, None)
         self._model_handles += [
-            model.register_forward_pre_hook(self._model_pre, prepend=True, with_kwargs=True),
-            model.register_forward_hook(self._model_post, always_call=True),
+            model.register_forward_pre_hook(model_pre_hook, prepend=True, with_kwargs=True),
+            model.register_forward_hook(model_post_hook, always_call=True),
             # torch tags these hooks with attributes, which bound methods cannot carry: wrap in functions.
             model.register_state_dict_post_hook(lambda *a: self._state_dict_from_host(*a)),
             model.register_load_state_dict_pre_hook(lambda *a: self._refuse_load_state_dict(*a)),
@@ -166,32 +258,58 @@ class ModelHooks:
         for unit in [u for u in self._unit_handles if u not in wanted]:
             for handle in self._unit_handles.pop(unit):
                 handle.remove()
+            _unmark(unit.module)
         for unit in wanted:
+            self._mark(unit.module, unit)  # again for hooked units too: their weights may have changed
             if unit not in self._unit_handles:
+                self.units[unit.index] = unit
                 self._unit_handles[unit] = [
-                    unit.module.register_forward_pre_hook(self._unit_pre(unit), prepend=True),
-                    unit.module.register_forward_hook(self._unit_post(unit), always_call=True),
+                    unit.module.register_forward_pre_hook(unit_pre_hook, prepend=True, with_kwargs=True),
+                    unit.module.register_forward_hook(unit_post_hook, always_call=True, with_kwargs=True),
                 ]
+
+    def _mark(self, module: nn.Module, unit: Unit | None) -> None:
+        """What the hook functions read from a hooked module (plain attributes, removed with the hooks)."""
+        values = module.__dict__
+        values[_HOOKS], values[_MODEL_ID] = self, self.model_id
+        values[_TOKEN], values[_SPARE] = self.token, self.spare
+        if unit is not None:
+            values[_UNIT] = unit.index
+            names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+            values[_WEIGHTS] = tuple(names[id(p)] for _, p, _ in unit.parameters if id(p) in names)
 
     def detach(self) -> None:
         """Remove every hook and guard; safe to call twice."""
+        model = self._controller.model
         for name in _GUARDED:
-            self._controller.model.__dict__.pop(name, None)
+            model.__dict__.pop(name, None)
         for handle in self._model_handles:
             handle.remove()
         self._model_handles.clear()
-        for handles in self._unit_handles.values():
+        _unmark(model)
+        for unit, handles in self._unit_handles.items():
             for handle in handles:
                 handle.remove()
+            _unmark(unit.module)
         self._unit_handles.clear()
+        compiled.unregister(self.model_id)
 
-    # -- the forward -----------------------------------------------------------------------------------------
+    # -- the forward (the module-level hook functions below call these) ------------------------------------
 
-    def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def model_begin(self, args: tuple, kwargs: dict) -> bool:
+        """The model's forward begins; returns whether it must run uncompiled (discovery)."""
+        controller = self._controller
+        if not self._guarding:  # torch.compile may have loaded Dynamo since offload()
+            self._guarding = compiled.guard_hooks_if_compiling(controller.model)
+        self.begin(input_signature(args, kwargs))
+        return controller.bracket.depth == 1 and getattr(controller.step, "eager_only", False)
+
+    def begin(self, signature: tuple[str, ...]) -> None:
         controller = self._controller
         bracket = controller.bracket
         bracket.claim()
         if bracket.interrupted():
+            self.eval_frame = None  # that forward's compiled call has restored Dynamo itself
             controller.close_interrupted_forward()
             bracket.claim()
         bracket.depth += 1
@@ -199,46 +317,55 @@ class ModelHooks:
             # A forward called inside an `except` block sees that exception in sys.exc_info() all along:
             # remember it, so that it is not taken for one the forward raised.
             bracket.handled_at_start = sys.exc_info()[1]
-            controller.begin_forward(args, kwargs)
+            controller.begin_forward(signature)
 
-    def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def model_end(self, output: Any) -> object:
+        """The model's forward ends; returns Dynamo's frame callback to restore, if it was switched off."""
         bracket = self._controller.bracket
         if bracket.is_foreign_thread():
-            return  # the rejected call of a second thread
+            return None  # the rejected call of a second thread
         bracket.depth -= 1
         if bracket.depth > 0:
-            return
+            return None
+        previous, self.eval_frame = self.eval_frame, None
         # PyTorch calls always_call hooks from inside its exception handler when forward raised; a forward
         # that returns None does too, and may run inside the caller's own exception handler.
         error = sys.exc_info()[1] if output is None else None
         failed = error is not None and error is not bracket.handled_at_start
         bracket.handled_at_start = None
         self._controller.end_forward(type(error) if failed else None)
+        return previous
 
-    def _unit_pre(self, unit: Unit) -> Callable[[nn.Module, tuple], None]:
+    def run_unit_pre(self, index: int) -> None:
         controller = self._controller
-        bracket = controller.bracket
+        if controller.bracket.is_foreign_thread():
+            unit = self.units[index]
+            raise ConcurrentForwardError(
+                f"unit {unit.name!r} entered from a second thread while a forward runs; run forwards "
+                "one at a time"
+            )
+        controller.step.pre(self.units[index])
 
-        def hook(module: nn.Module, args: tuple) -> None:
-            if bracket.is_foreign_thread():
-                raise ConcurrentForwardError(
-                    f"unit {unit.name!r} entered from a second thread while a forward runs; run forwards "
-                    "one at a time"
-                )
-            controller.step.pre(unit)
-
-        return hook
-
-    def _unit_post(self, unit: Unit) -> Callable[[nn.Module, tuple, Any], Any]:
+    def run_unit_post(self, index: int, output: Any = None) -> Any:
         controller = self._controller
-        bracket = controller.bracket
+        if controller.bracket.is_foreign_thread():
+            return None  # the rejected call of a second thread: the running forward's state is not ours
+        return controller.step.post(self.units[index], output)
 
-        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            if bracket.is_foreign_thread():
-                return None  # the rejected call of a second thread: the running forward's state is not ours
-            return controller.step.post(unit, output)
+    def run_model_begin(self, signature: str) -> None:
+        """The model's forward begins inside a larger compiled region (see compiled.py)."""
+        self.begin(tuple(signature.split("|")) if signature else ())
+        if getattr(self._controller.step, "eager_only", False):
+            self.model_end(None)
+            raise UnsupportedOperationError(
+                f"the offloaded {type(self._controller.model).__name__} runs inside a compiled region "
+                f"before its plan is made (it is in its {self._controller.phase.value} phase), and that "
+                "phase needs eager Python; run it uncompiled until flextensor.phase(model) == "
+                "'inference' (or compile the offloaded model itself: its first forwards then run eagerly)"
+            )
 
-        return hook
+    def run_model_end(self) -> None:
+        self.model_end(True)
 
     # -- guards ------------------------------------------------------------------------------------------
 

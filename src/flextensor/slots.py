@@ -205,7 +205,7 @@ class DeviceStore:
         storage.copy_(unit.pack.buffer)
         unit.storage = storage
         unit.point_parameters()
-        unit.storage_version = storage._version
+        unit.storage_version = unit.weights_version()
         unit.placement = Placement.RESIDENT  # last: a failed upload leaves the unit to be freed and retried
         unit.uploads += 1
         self.counters.uploads += 1
@@ -232,7 +232,7 @@ class DeviceStore:
         for unit in self.units:
             pack = unit.pack
             if unit.name in resident_everywhere and unit.resident and pack is not None and not pack.shared:
-                if unit.storage is not None and unit.storage._version != unit.storage_version:
+                if unit.storage is not None and unit.weights_version() != unit.storage_version:
                     continue  # edited in place since the upload: the pack is refreshed when it streams
                 pack.free()
                 unit.pack = None
@@ -243,7 +243,7 @@ class DeviceStore:
         build it again if it was dropped, copy into it if the weights were edited in place. Plan time only,
         on a synchronised device."""
         assert unit.storage is not None
-        edited = unit.storage._version != unit.storage_version
+        edited = unit.weights_version() != unit.storage_version
         if unit.pack is not None and not edited:
             return
         if unit.pack is None:
@@ -262,7 +262,7 @@ class DeviceStore:
             self.counters.pack_rebuilds += 1
         else:
             unit.pack.buffer.copy_(unit.storage)
-        unit.storage_version = unit.storage._version
+        unit.storage_version = unit.weights_version()
 
     # -- loading ------------------------------------------------------------------------------------------
 

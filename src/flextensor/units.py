@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .host_store import PackedParameter, UnitPack
 
@@ -54,7 +55,7 @@ class Unit:
     pack's layout, kept to build the pack again after it was dropped. ``storage``: the unit's device bytes
     (its own, or its arena range), None in HOST. ``cells``: the occupancy cells its arena range covers.
     ``prefetch_next``: the units whose copies its post-hook issues in steady state, nearest first.
-    ``storage_version``: the device storage's version counter when its contents last matched the pack
+    ``storage_version``: :meth:`weights_version` when the device storage's contents last matched the pack
     (an in-place edit of a resident unit's weights bumps it).
     """
 
@@ -94,10 +95,22 @@ class Unit:
         return self.pack.view(entry)
 
     def point_parameters(self) -> None:
-        """Alias every parameter to its place in ``storage`` (plan time only)."""
+        """Alias every parameter to its place in ``storage`` (plan time only).
+
+        Each parameter gets a storage object of its own over those bytes (a DLPack alias, which keeps the
+        arena alive as a view would): to the compiler, weights that view one arena are inputs aliasing
+        each other, and the compiled hot path declares a unit's weights written by its pre-op (see
+        [Note: compiled hot path] in compiled.py), which aliased inputs would turn into a copy of the
+        whole arena per call."""
         assert self.storage is not None
         for _, param, entry in self.parameters:
-            param.data = entry.view(self.storage)
+            own = from_dlpack(to_dlpack(self.storage[entry.offset : entry.offset + entry.nbytes]))
+            param.data = entry.shaped(own.view(entry.dtype))
+
+    def weights_version(self) -> int:
+        """Grows with every in-place write to the unit's parameters (through them or their ``.data``);
+        copies into the storage do not change it. Plan time only: a loop over the parameters."""
+        return sum(param._version + param.data._version for _, param, _ in self.parameters)
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {self.nbytes} bytes, {self.placement.value})"

@@ -1,0 +1,227 @@
+"""Offloaded models under ``torch.compile``: the hot path as custom ops the compiler keeps in order.
+
+[Note: compiled hot path]
+Dynamo meets flextensor's hooks in one of two ways, and neither puts the engine's Python into a graph:
+
+* A hook called by PyTorch's own module-call code is a frame of its own: ``torch.compile(model)``,
+  ``model.compile()`` and ``block.compile()`` all run hooks outside the compiled frame. Those hook
+  functions' code is marked skipped (:func:`skip_hook_frames`), so they run eagerly, exactly as
+  without compile.
+* A hook inlined into a traced frame (a unit's hooks when its parent is compiled as a whole, the model's
+  hooks when the model is part of a larger compiled module) calls a custom op instead:
+  ``flextensor::unit_pre`` before the unit's forward and ``flextensor::unit_post`` after it.
+
+  The pre op is declared to write the unit's weights, so every kernel that reads a weight comes after
+  it, even one that reads nothing else (inductor otherwise fuses ``bias * 3 + temb`` of every block into
+  one kernel at the graph's start, before those weights arrive). Nothing is written: inductor calls the
+  op in place and copies nothing, because no kernel reads a weight before it. That needs each parameter
+  to be an input of its own: weights viewing one arena would be aliased inputs, which AOTAutograd merges
+  into a synthetic base (copying the arena), so each parameter has its own storage object over the
+  arena's bytes (units.Unit.point_parameters).
+  The post op is declared to write the unit's output tensors (not its weights: those were read before
+  it, so inductor would clone them and copy them back into the arena at the graph's end), so every
+  kernel that produces the output comes before it. Outputs that are views are left out (inductor would
+  clone them): a unit whose outputs are all views is ordered by the token alone, as is a kernel of a
+  unit whose result leaves the unit other than through its output (an in-place write to an input).
+  Both ops write a per-model token, so they keep the forward's order among themselves.
+
+  Their fake implementations do nothing; at run time they call the same Python as the eager hooks, found
+  through the engine id and unit index they carry as constants (constants, not tensors: a graph holds
+  every unit it traced, so nothing multiplies per unit, and CUDA graphs see no extra inputs).
+
+The forwards that need eager Python around every torch call (discovery, and the first forward from a
+saved profile, see discovery.py) run uncompiled: the model's pre-hook switches Dynamo's frame evaluation
+off for that forward and its post-hook switches it back (see hooks.model_pre_hook). The profiling forward
+runs compiled, so the plan is made for the compiled compute.
+
+A graph compiled without flextensor's hooks would run without them: once Dynamo is loaded (at offload(),
+or at the first forward after a torch.compile call) flextensor turns on Dynamo's guards on module hooks
+(``torch._dynamo.config.skip_nnmodule_hook_guards = False``) and drops the graphs cached for the model's
+module classes, so such a graph is recompiled, never reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("flextensor")
+
+__all__ = [
+    "CompiledRuns",
+    "force_eager",
+    "guard_hooks_if_compiling",
+    "register",
+    "skip_hook_frames",
+    "written_outputs",
+]
+
+
+class CompiledRuns(Protocol):
+    """What the ops call on the hooks of the model they belong to."""
+
+    def run_unit_pre(self, index: int) -> None: ...
+
+    def run_unit_post(self, index: int) -> None: ...
+
+    def run_model_begin(self, signature: str) -> None: ...
+
+    def run_model_end(self) -> None: ...
+
+
+_MODELS: dict[int, weakref.ref[Any]] = {}
+"""Engine id -> the hooks object of an offloaded model, for the ops' implementations."""
+
+_next_id = [0]
+
+
+def register(runs: CompiledRuns) -> int:
+    """An id for ``runs`` that compiled graphs carry as a constant (never reused in this process)."""
+    _next_id[0] += 1
+    _MODELS[_next_id[0]] = weakref.ref(runs)
+    return _next_id[0]
+
+
+def unregister(model_id: int) -> None:
+    _MODELS.pop(model_id, None)
+
+
+def _runs(model_id: int) -> CompiledRuns:
+    runs = _MODELS.get(model_id)
+    target = None if runs is None else runs()
+    if target is None:
+        from .errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            "a compiled graph ran flextensor's hooks for a model that is no longer offloaded; compile the "
+            "model again after flextensor.release(model) (torch._dynamo.reset() drops old graphs)"
+        )
+    return target
+
+
+@torch.library.custom_op("flextensor::unit_pre", mutates_args=("weights", "token"))
+def unit_pre(weights: list[torch.Tensor], token: torch.Tensor, model_id: int, index: int) -> None:
+    """The unit's weights are ready (or are made ready) before any kernel that reads them."""
+    _runs(model_id).run_unit_pre(index)
+
+
+@unit_pre.register_fake
+def _(weights: list[torch.Tensor], token: torch.Tensor, model_id: int, index: int) -> None:
+    return None
+
+
+@torch.library.custom_op("flextensor::unit_post", mutates_args=("outputs", "token"))
+def unit_post(outputs: list[torch.Tensor], token: torch.Tensor, model_id: int, index: int) -> None:
+    """The unit's compute is issued: its range may be refilled after it, the next copies may start."""
+    _runs(model_id).run_unit_post(index)
+
+
+@unit_post.register_fake
+def _(outputs: list[torch.Tensor], token: torch.Tensor, model_id: int, index: int) -> None:
+    return None
+
+
+@torch.library.custom_op("flextensor::model_begin", mutates_args=("token",))
+def model_begin(token: torch.Tensor, model_id: int, signature: str) -> None:
+    """The outermost forward of an offloaded model begins, inside a larger compiled region."""
+    _runs(model_id).run_model_begin(signature)
+
+
+@model_begin.register_fake
+def _(token: torch.Tensor, model_id: int, signature: str) -> None:
+    return None
+
+
+@torch.library.custom_op("flextensor::model_end", mutates_args=("token",))
+def model_end(token: torch.Tensor, model_id: int) -> None:
+    """The outermost forward of an offloaded model ends, inside a larger compiled region."""
+    _runs(model_id).run_model_end()
+
+
+@model_end.register_fake
+def _(token: torch.Tensor, model_id: int) -> None:
+    return None
+
+
+def force_eager() -> Any:
+    """``torch.compiler.set_stance("force_eager")`` when Dynamo is loaded (modules of the model compiled
+    on their own, ``block.compile()``), else None; ``__exit__`` on what it returns restores the stance."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    return torch.compiler.set_stance("force_eager")
+
+
+def written_outputs(output: Any, spare: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of a unit's output the post op declares written: those that are no views, at the top
+    level or one level inside a tuple, list or dict (a ModelOutput); ``[spare]`` when there are none.
+    Traced by Dynamo."""
+    if isinstance(output, dict):
+        values: Iterable[Any] = output.values()
+    elif isinstance(output, (tuple, list)):
+        values = output
+    else:
+        values = (output,)
+    found = []
+    for value in values:
+        inner = value if isinstance(value, (tuple, list)) else (value,)
+        for tensor in inner:
+            if isinstance(tensor, torch.Tensor) and tensor._base is None:
+                found.append(tensor)
+    return found if found else [spare]
+
+
+_skipped = [False]
+
+
+def skip_hook_frames(
+    everything_eager: Iterable[Callable[..., Any]], frame_only: Iterable[Callable[..., Any]]
+) -> None:
+    """Make Dynamo run these functions eagerly when it meets them as frames of their own (it still inlines
+    them into frames it traces): ``everything_eager`` with every frame they call, ``frame_only`` by
+    themselves (what they switch in Dynamo's frame evaluation then outlasts them: a skipped frame with
+    its callees skipped gets Dynamo's callback restored when it returns). Through torch's C extension:
+    importing torch._dynamo costs ~70 MiB and seconds, which a model never compiled should not pay."""
+    if _skipped[0]:
+        return
+    from torch._C._dynamo import eval_frame
+
+    action = eval_frame._FrameAction
+    recursive = eval_frame._FrameExecStrategy(action.SKIP, action.SKIP)
+    alone = eval_frame._FrameExecStrategy(action.SKIP, action.DEFAULT)
+    for function in everything_eager:
+        eval_frame.set_code_exec_strategy(function.__code__, recursive)
+    for function in frame_only:
+        eval_frame.set_code_exec_strategy(function.__code__, alone)
+    _skipped[0] = True
+
+
+_guarding = [False]
+
+
+def guard_hooks_if_compiling(model: nn.Module) -> bool:
+    """Once Dynamo is loaded (a torch.compile call, before or after offload()): guard compiled graphs on
+    module hooks and drop those already compiled for ``model``'s module classes (compiled without
+    flextensor's hooks, they would run without them). Returns whether Dynamo is loaded. Cheap when not."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    import torch._dynamo
+    from torch._C._dynamo.eval_frame import reset_code
+
+    if not _guarding[0] and torch._dynamo.config.skip_nnmodule_hook_guards:
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        logger.info(
+            "torch._dynamo.config.skip_nnmodule_hook_guards set to False: compiled graphs are guarded on "
+            "module hooks, so that none compiled without flextensor's hooks runs an offloaded model"
+        )
+    _guarding[0] = True
+    for cls in {type(m) for m in model.modules()}:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        if code is not None:
+            reset_code(code)
+    return True
