@@ -21,7 +21,12 @@ A method is named by a spec, ``name[:arg][/key=value...]``:
 ==============================  ====================================================================
 
 Options after ``/`` override the runner's settings for that method only: ``timeout`` (s),
-``min_steps``, ``max_steps``, ``step_budget`` (s of timed steps), ``max_warmup`` (forwards).
+``min_steps``, ``max_steps``, ``step_budget`` (s of timed steps), ``max_warmup`` (forwards). One more
+changes the method itself and so its label: ``compile=regional`` (each offload unit's module compiled
+on its own with ``module.compile()``, as diffusers' ``compile_repeated_blocks``; flextensor 0.5.0 gets
+``compile_fn=torch.compile``), ``compile=whole`` (``torch.compile(model)``), ``compile=graphs``
+(``torch.compile(model, mode="reduce-overhead")``: CUDA graphs). ``native/compile=regional`` is the
+native compiled reference for ``ours/compile=regional``.
 
 Each method's setup runs inside its own worker process (``benchmarks.worker``); this module only
 defines what "set up" means and how the method reports its phase and streamed bytes.
@@ -54,7 +59,8 @@ METHOD_NAMES = (
     "diffusers_group",
     "accelerate",
 )
-OPTION_KEYS = ("timeout", "min_steps", "max_steps", "step_budget", "max_warmup")
+OPTION_KEYS = ("timeout", "min_steps", "max_steps", "step_budget", "max_warmup", "compile")
+COMPILE_MODES = ("regional", "whole", "graphs")
 PEER_VERSION = "0.5.0"
 
 
@@ -71,8 +77,10 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
-        """The spec without runner options: the name used in tables and plots."""
-        return self.name if self.arg is None else f"{self.name}:{self.arg}"
+        """The spec without runner options (``compile`` kept): the name used in tables and plots."""
+        label = self.name if self.arg is None else f"{self.name}:{self.arg}"
+        compile_mode = self.options.get("compile")
+        return label if compile_mode is None else f"{label}/compile={compile_mode}"
 
     @property
     def family(self) -> str:
@@ -99,6 +107,8 @@ def parse_method(spec: str) -> MethodSpec:
                 f"bad option {opt!r} in {spec!r}; options: {', '.join(OPTION_KEYS)} as key=value"
             )
         options[key] = value
+    if options.get("compile", COMPILE_MODES[0]) not in COMPILE_MODES:
+        raise ValueError(f"compile={options['compile']} in {spec!r}; one of {', '.join(COMPILE_MODES)}")
     return MethodSpec(spec=spec.strip(), name=name, arg=arg or None, options=options)
 
 
@@ -119,6 +129,13 @@ def unsupported_reason(ms: MethodSpec, w: Workload, device: str) -> str | None:
     cuda = device.startswith("cuda")
     if ms.family == "flextensor050" and not cuda:
         return "flextensor 0.5.0 needs CUDA: its config takes only a GPU index (gpu_device)"
+    compile_mode = ms.options.get("compile")
+    if compile_mode == "graphs" and not cuda:
+        return "CUDA graphs need CUDA"
+    if compile_mode is not None and ms.family in ("diffusers_group", "accelerate"):
+        return f"{ms.family} is benchmarked uncompiled"
+    if compile_mode not in (None, "regional") and ms.family == "flextensor050":
+        return "flextensor 0.5.0 compiles per unit only (compile_fn)"
     if ms.name == "native_ref" and (w.memory_cap_bytes is None or not cuda):
         return "no memory cap on this run: plain native is the reference"
     return None
@@ -197,6 +214,33 @@ def prepare(
     ms: MethodSpec, model: nn.Module, w: Workload, device: str, nbytes: dict[str, int], peer_path: str | None
 ) -> Prepared:
     """Set ``model`` (weights on the CPU) up for ``ms``; the returned ``model`` is what to call."""
+    prepared = _prepare_uncompiled(ms, model, w, device, nbytes, peer_path)
+    compile_mode = ms.options.get("compile")
+    if compile_mode is None or ms.family == "flextensor050":  # the peer compiles through compile_fn
+        return prepared
+    import torch
+
+    if compile_mode == "regional":
+        for module in unit_modules(model, w.unit):
+            module.compile()
+    else:
+        mode = "reduce-overhead" if compile_mode == "graphs" else None
+        prepared.model = torch.compile(prepared.model, mode=mode)
+    prepared.min_warmup = max(prepared.min_warmup, 3)  # compile, then a CUDA graph's warm-up and capture
+    prepared.info = {**prepared.info, "compile": compile_mode}
+    return prepared
+
+
+def unit_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
+    """The modules whose names match the workload's unit pattern (``blocks.*``)."""
+    from fnmatch import fnmatchcase
+
+    return [m for name, m in model.named_modules() if name and fnmatchcase(name, pattern)]
+
+
+def _prepare_uncompiled(
+    ms: MethodSpec, model: nn.Module, w: Workload, device: str, nbytes: dict[str, int], peer_path: str | None
+) -> Prepared:
     import torch
 
     total = sum(nbytes.values())
@@ -244,7 +288,10 @@ def prepare(
         elif ms.name == "flextensor050_budget":
             card = torch.cuda.get_device_properties(torch.device(device)).total_memory
             kwargs["max_gpu_mem_fraction"] = round(parse_bytes(ms.arg or "0") / card, 4)
-        wrapped = ft.offload(model, config=ft.OffloadConfig(**kwargs))
+        if ms.options.get("compile") == "regional":
+            wrapped = ft.offload(model, config=ft.OffloadConfig(**kwargs), compile_fn=torch.compile)
+        else:
+            wrapped = ft.offload(model, config=ft.OffloadConfig(**kwargs))
 
         def peer_phase() -> str:
             return str(ft.get_offload_manager().phase.value)

@@ -304,10 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     save()
 
     ref: dict[str, Any] | None = None
+    compiled_refs: dict[str, dict[str, Any]] = {}  # compile mode -> native compiled that way
 
     def finish(rec: dict[str, Any]) -> None:
-        # Compared as soon as it ends: a call killed later still leaves ratios and output checks.
-        compare(rec, ref)
+        # Compared as soon as it ends: a call killed later still leaves ratios and output checks. A
+        # compiled method is compared with native compiled the same way, where that ran.
+        mode = parse_method(rec["method_spec"]).options.get("compile")
+        compare(rec, compiled_refs.get(mode, ref) if mode else ref)
         if link and rec.get("streamed_GBps") is not None:
             rec["link_fraction"] = round(rec["streamed_GBps"] / link, 4)
         if not args.quiet:
@@ -350,7 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     for s in refs:
         record(s, one(s))
     # The reference is native where it ran, else native_ref (native did not fit under the cap).
-    ref = next((records[s] for s in refs if records[s].get("status") == "ok"), None)
+    ok_refs = [s for s in refs if records[s].get("status") == "ok"]
+    plain = [s for s in ok_refs if "compile" not in parse_method(s).options]
+    ref = records[plain[0]] if plain else None
+    for s in ok_refs:
+        mode = parse_method(s).options.get("compile")
+        if mode is not None:
+            compiled_refs.setdefault(mode, records[s])
     doc["reference"] = ref["method"] if ref else None
     for s in refs:
         finish(records[s])

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is a folder of the repo, not an in
 
 from benchmarks.methods import parse_bytes, parse_method  # noqa: E402
 from benchmarks.report import format_table, render  # noqa: E402
-from benchmarks.run import launch  # noqa: E402
+from benchmarks.run import launch, order_methods  # noqa: E402
 
 for _pkg in ("transformers", "diffusers", "accelerate", "safetensors"):
     pytest.importorskip(_pkg, reason=f"the benchmark workloads need {_pkg} (pip install -e '.[test]')")
@@ -30,7 +30,8 @@ for _pkg in ("transformers", "diffusers", "accelerate", "safetensors"):
 # tiny workload (llama_tiny's prefill step is checked in-process below). flextensor 0.5.0 is listed to
 # check its recorded skip: it needs CUDA.
 RUNS = {
-    "wan_tiny": "native,ours,ours_budget:256KiB,diffusers_group,accelerate,flextensor050",
+    "wan_tiny": "native,ours,ours_budget:256KiB,diffusers_group,accelerate,flextensor050,"
+    "native/compile=regional,ours_budget:256KiB/compile=regional",
     "llama_tiny_decode": "native,ours,diffusers_group:model",
 }
 BUILD_FIRST = "llama_tiny_decode"  # this one builds its weights the GPU way: a process of their own
@@ -72,7 +73,7 @@ def test_every_method_recorded_with_every_field(results: dict[str, dict[str, Any
     doc = results[workload]
     assert doc.keys() >= DOC_FIELDS | {"reference", "runs"}
     assert doc["reference"] == "native" and doc["link"] is None  # no link probe on a CPU
-    assert [r["method_spec"] for r in doc["runs"]] == RUNS[workload].split(",")
+    assert [r["method_spec"] for r in doc["runs"]] == order_methods(RUNS[workload].split(","))
     for r in doc["runs"]:
         if r["status"] != "ok":
             continue
@@ -91,8 +92,11 @@ def test_outputs_match_native_bitwise(results: dict[str, dict[str, Any]], worklo
         native["status"] == "ok" and native["output_match"] == "reference" and native["ratio_to_native"] == 1
     )
     for spec, r in runs.items():
-        if r["status"] == "ok" and spec != "native":
+        if r["status"] == "ok" and r["family"] != "native":
             assert r["output_match"] == "bitwise", f"{spec}: {r['output_match']} {r.get('max_abs_diff')}"
+    compiled = runs.get("ours_budget:256KiB/compile=regional")
+    if compiled is not None:  # compared with native compiled the same way, not with native eager
+        assert compiled["reference"] == "native/compile=regional"
 
 
 @pytest.mark.parametrize("workload", list(RUNS))
@@ -175,6 +179,8 @@ def test_method_specs_and_sizes_parse() -> None:
     assert parse_method("native_ref").family == "native"
     assert parse_method("flextensor050_frac:0.05").family == "flextensor050"
     assert parse_bytes("5.7GiB") == int(5.7 * 2**30) and parse_bytes("24 GB") == 24 * 10**9
-    for bad in ("nope", "ours_budget", "ours/steps=3"):
+    compiled = parse_method("ours_budget:5.7GB/compile=regional/timeout=90")
+    assert compiled.label == "ours_budget:5.7GB/compile=regional" and compiled.family == "ours"
+    for bad in ("nope", "ours_budget", "ours/steps=3", "ours/compile=fast"):
         with pytest.raises(ValueError):
             parse_method(bad)

@@ -57,6 +57,7 @@ __all__ = [
     "CompiledRuns",
     "force_eager",
     "guard_hooks_if_compiling",
+    "mark_static",
     "register",
     "skip_hook_frames",
     "written_outputs",
@@ -199,6 +200,15 @@ def skip_hook_frames(
     for function in frame_only:
         eval_frame.set_code_exec_strategy(function.__code__, alone)
     _skipped[0] = True
+
+
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tell CUDA-graph trees (``mode="reduce-overhead"``) that the ops' token and spare keep their
+    address: inputs the ops write would otherwise make them skip the graph."""
+    import torch._dynamo
+
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor, guard=False)
 
 
 _guarding = [False]

@@ -18,6 +18,7 @@ from torch import nn
 
 from .autograd_guard import StreamedWeightGuard
 from .config import OffloadConfig
+from .cuda_graphs import GraphCaptures
 from .device import Target
 from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryStep
 from .errors import UnsupportedOperationError
@@ -35,7 +36,7 @@ from .profiling import (
 )
 from .slots import DeviceStore
 from .status import OffloadStatus, status_of
-from .steady import OutsideForwardStep, ProfiledStep, RecordedStep, SteadyStep, profiler_running
+from .steady import CapturedStep, OutsideForwardStep, ProfiledStep, RecordedStep, SteadyStep, profiler_running
 from .timeline import StepRecorder
 from .units import Placement, Unit
 
@@ -97,6 +98,7 @@ class OffloadEngine:
         ensure_layout = weakref.WeakMethod(self._ensure_layout)  # no cycle: see ModelHooks
         self._outside = OutsideForwardStep(self.store, lambda: ensure_layout()())
         self._steady = SteadyStep(self.store)
+        self.graphs = GraphCaptures(self.runtime, type(model).__name__)
         self.step: Any = self._outside  # what the unit hooks call (see hooks.py)
         self._phase_forwards = 0
         self._discovered = DiscoveryResult()
@@ -149,6 +151,9 @@ class OffloadEngine:
             # rather than mix these inputs' samples into theirs (a plan keyed by these inputs, made
             # from both, and none for the previous ones).
             self._plan_from_samples()
+        keep = self.phase is Phase.INFERENCE and self.laid_out
+        if keep and self.graphs.keep_layout(signature, self.signature):
+            signature = self.signature  # type: ignore[assignment]  (see [Note: captured forwards])
         if self.phase is Phase.INFERENCE:
             if signature != self.signature or not self.laid_out:
                 self._switch_to(signature)
@@ -156,7 +161,11 @@ class OffloadEngine:
             self._lay_out_to_profile()
         if self.phase is not Phase.INFERENCE:
             self.signature = signature
-        driver = self._driver()
+        if self.graphs.capturing():
+            driver: Any = self._captured_driver()
+        else:
+            self.graphs.fence_begin()
+            driver = self._driver()
         driver.begin()
         self.step = driver
         if torch.is_grad_enabled() and self.store.arena is not None:
@@ -184,12 +193,37 @@ class OffloadEngine:
             return ProfiledStep(self.store)
         return self._steady
 
+    def _captured_driver(self) -> CapturedStep:
+        self.graphs.check_capturable(
+            self.phase.value, self.phase is Phase.INFERENCE and not self._check_next, self.laid_out
+        )
+        streamed = [u for u in self.order if not u.resident]
+        assumed, guaranteed = self.graphs.capture_plan(streamed, self.store.owner)
+        return CapturedStep(self.store, streamed[-1] if streamed else None, assumed, guaranteed)
+
+    def capture_began(self) -> None:
+        """The first unit op of a compiled forward found the stream capturing (reduce-overhead mode): the
+        forward's driver becomes the captured one (see [Note: captured forwards])."""
+        if isinstance(self.step, CapturedStep) or not self.graphs.capturing():
+            return
+        driver = self._captured_driver()
+        driver.begin()
+        self.step = driver
+
     def end_forward(self, error: type[BaseException] | None) -> None:
         """Close the outermost forward: ``error`` is the type of what it raised, if it did."""
         driver, self.step = self.step, self._outside
         self._grad_guard.exit()
         self.bracket.reset()
         self.forwards += 1
+        if isinstance(driver, CapturedStep):
+            if self.graphs.capturing():
+                driver.join()
+            self.graphs.after_capture(self.store, driver.assumed)
+            return
+        if self.graphs.captured:
+            self.graphs.restore(self.store)
+            self.graphs.fence_end()
         if isinstance(driver, DiscoveryStep):
             result = driver.end(error)
             if result is not None:  # a partial order would make a wrong plan: learn again next forward

@@ -58,6 +58,8 @@ class Controller(Protocol):
 
     def close_interrupted_forward(self) -> None: ...
 
+    def capture_began(self) -> None: ...
+
     def state_dict_entries(self, prefix: str) -> Iterable[tuple[str, torch.Tensor]]: ...
 
     def refuse_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
@@ -211,6 +213,7 @@ class ModelHooks:
         self.stance: Any = None  # torch.compiler.set_stance("force_eager") while discovery runs
         self._guarding = False  # whether compiled graphs are guarded on module hooks yet
         self.model_id = 0  # the constant compiled graphs carry (see compiled.py)
+        self.ops_seen = False  # a compiled unit op ran in this forward (the first checks for a capture)
         device = controller.runtime.device
         # What the compiled ops mutate to keep their order: one element each, made once.
         self.token = torch.zeros(1, device=device)
@@ -234,6 +237,8 @@ class ModelHooks:
             frame_only=(model_pre_hook, model_post_hook),
         )
         self._guarding = compiled.guard_hooks_if_compiling(model)
+        if self._guarding:
+            compiled.mark_static(self.token, self.spare)
         self.model_id = compiled.register(self)
         self._mark(model, None)
         self._model_handles += [
@@ -301,6 +306,8 @@ class ModelHooks:
         controller = self._controller
         if not self._guarding:  # torch.compile may have loaded Dynamo since offload()
             self._guarding = compiled.guard_hooks_if_compiling(controller.model)
+            if self._guarding:
+                compiled.mark_static(self.token, self.spare)
         self.begin(input_signature(args, kwargs))
         return controller.bracket.depth == 1 and getattr(controller.step, "eager_only", False)
 
@@ -314,6 +321,7 @@ class ModelHooks:
             bracket.claim()
         bracket.depth += 1
         if bracket.depth == 1:
+            self.ops_seen = False
             # A forward called inside an `except` block sees that exception in sys.exc_info() all along:
             # remember it, so that it is not taken for one the forward raised.
             bracket.handled_at_start = sys.exc_info()[1]
@@ -338,6 +346,9 @@ class ModelHooks:
 
     def run_unit_pre(self, index: int) -> None:
         controller = self._controller
+        if not self.ops_seen:  # once per forward: a capture may begin inside it (reduce-overhead mode)
+            self.ops_seen = True
+            controller.capture_began()
         if controller.bracket.is_foreign_thread():
             unit = self.units[index]
             raise ConcurrentForwardError(

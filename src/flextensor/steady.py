@@ -20,7 +20,14 @@ from .slots import DeviceStore, copy_into_range, holds_weights
 from .timeline import StepRecorder
 from .units import Placement, Unit
 
-__all__ = ["OutsideForwardStep", "ProfiledStep", "RecordedStep", "SteadyStep", "profiler_running"]
+__all__ = [
+    "CapturedStep",
+    "OutsideForwardStep",
+    "ProfiledStep",
+    "RecordedStep",
+    "SteadyStep",
+    "profiler_running",
+]
 
 
 class SteadyStep:
@@ -161,3 +168,85 @@ class OutsideForwardStep:
     def post(self, unit: Unit, output: Any) -> None:
         if not unit.resident:
             unit.compute_done.record(self.store.runtime.current_stream())
+
+
+class CapturedStep(SteadyStep):
+    """A steady forward captured in a CUDA graph (``torch.cuda.graph``, ``mode="reduce-overhead"``).
+
+    The copy stream joins the capture at the forward's start (it waits on the capturing stream), and the
+    capturing stream waits on it after the last unit's copies, so the graph holds every copy and the
+    events ordering them. The graph skips the copy of a unit only if it is one of ``assumed``: units
+    whose weights are in the arena whenever a replay starts (see [Note: captured forwards]); every other
+    unit it loads itself. Events recorded before the capture are not waited on (a captured stream may
+    not): the device is idle when a capture begins (torch.cuda.graph synchronises first), and a replay's
+    assumed units were loaded before it on its stream.
+    """
+
+    __slots__ = ("assumed", "computed", "copied", "guaranteed", "joined", "last")
+
+    def __init__(
+        self, store: DeviceStore, last: Unit | None, assumed: set[Unit], guaranteed: set[Unit]
+    ) -> None:
+        super().__init__(store)
+        self.last = last
+        self.assumed = assumed  # in the arena when any replay of this graph starts: not copied first
+        self.guaranteed = guaranteed  # what every graph and eager forward leaves in the arena
+        self.copied: set[Unit] = set()  # units whose copy_done was recorded in this capture
+        self.computed: set[Unit] = set()  # units whose compute_done was recorded in this capture
+        self.joined = False
+
+    def begin(self) -> None:
+        super().begin()
+        owner, assumed = self.owner, self.assumed
+        for cell, occupant in enumerate(owner):
+            if occupant is not None and occupant not in assumed:
+                owner[cell] = None  # in the arena now, but not at every replay's start: load it
+        self.copy.wait_stream(self.compute)  # fork: the copy stream's work from here is captured
+
+    def pre(self, unit: Unit) -> None:
+        if not holds_weights(unit, self.owner):
+            self._load(unit)
+        if unit in self.copied:
+            self.compute.wait_event(unit.copy_done)
+
+    def post(self, unit: Unit, output: Any) -> None:
+        compute, owner = self.compute, self.owner
+        unit.compute_done.record(compute)
+        self.computed.add(unit)
+        pending = [u for u in unit.prefetch_next if not holds_weights(u, owner)]
+        if pending:
+            copy = self.copy
+            self.set_stream(copy)
+            try:
+                copy.wait_event(unit.compute_done)
+                for upcoming in pending:
+                    copy_into_range(upcoming, owner, copy)
+                    self.copied.add(upcoming)
+            finally:
+                self.set_stream(compute)
+        if unit is self.last:
+            self.join()
+
+    def join(self) -> None:
+        """Load any assumed unit the forward left out, then make the capturing stream wait for the copy
+        stream (a capture cannot end with work left on it). Once, inside the capture."""
+        if self.joined:
+            return
+        self.joined = True
+        for unit in self.guaranteed:
+            if not holds_weights(unit, self.owner):
+                self._load(unit)  # the next replay starts from what this one leaves
+        self.compute.wait_stream(self.copy)
+
+    def _load(self, unit: Unit) -> None:
+        copy, owner = self.copy, self.owner
+        self.set_stream(copy)
+        try:
+            for cell in unit.cells:
+                occupant = owner[cell]
+                if occupant is not None and occupant is not unit and occupant in self.computed:
+                    copy.wait_event(occupant.compute_done)
+            copy_into_range(unit, owner, copy)
+            self.copied.add(unit)
+        finally:
+            self.set_stream(self.compute)

@@ -1,0 +1,148 @@
+"""CUDA graphs of an offloaded model: when a forward may be captured, and what a capture changes after it.
+
+[Note: captured forwards]
+A captured graph holds the addresses of the arena, of each resident unit's storage and of the host
+packs, and the order of the copies between them. So:
+
+* Only a steady-state forward is captured (steady.CapturedStep): discovery and profiling run Python
+  around every unit and synchronise the device, which a capture forbids. Capturing one of them raises.
+* Once a forward of the model has been captured, its layout is kept for good: inputs of other shapes run
+  with the plan in place (with a warning, once per input signature) rather than lay out another plan,
+  which would free memory the graph still copies into. The plan for other shapes can be made by running
+  them before the first capture.
+* A graph's copies follow the ring like an eager forward's, except at its start: a replay cannot ask
+  what the arena holds. The first capture fixes the *guaranteed* units: those in the arena at that
+  moment that a steady forward also leaves there (its tail prefetches them for the next forward). Every
+  graph skips the copies of those it finds in place at its capture, loads any it evicted before it
+  ends, and so does every eager forward after a capture: whatever ran before a replay, eager or
+  another graph, left them in the arena.
+* Eager forwards after a capture are fenced against replays: their copies wait for the compute queued
+  before them (a replay still reading a range), and the next work on the compute stream waits for their
+  copies (a replay reading what they load). Two event operations per forward, none before any capture.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .device import DeviceRuntime
+from .errors import UnsupportedOperationError
+from .slots import DeviceStore, holds_weights
+from .units import Unit
+
+logger = logging.getLogger("flextensor")
+
+__all__ = ["GraphCaptures", "steady_end_state"]
+
+
+def steady_end_state(streamed: list[Unit], owner: list[Unit | None]) -> list[Unit | None]:
+    """The arena's occupancy after steady forwards from ``owner``: each unit in ``streamed`` (execution
+    order) loaded when it runs without its weights, then the units its post-hook prefetches. Two
+    passes: the first leaves the state every later one starts from."""
+    state = list(owner)
+    for _ in range(2):
+        for unit in streamed:
+            for needed in (unit, *unit.prefetch_next):
+                if not holds_weights(needed, state):
+                    for cell in needed.cells:
+                        state[cell] = needed
+    return state
+
+
+class GraphCaptures:
+    """One offloaded model's record of captures (see [Note: captured forwards])."""
+
+    def __init__(self, runtime: DeviceRuntime, model_name: str) -> None:
+        self.runtime = runtime
+        self.model_name = model_name
+        self.captured = False  # some forward was captured: the layout is kept, eager forwards are fenced
+        self.guaranteed: set[Unit] | None = None  # fixed by the first capture (see the note)
+        self._retired: list[Any] = []  # events recorded inside captures, kept alive with the graphs
+        self._warned: set[tuple[str, ...]] = set()
+
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph."""
+        return self.runtime.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def check_capturable(self, phase: str, steady: bool, planned: bool) -> None:
+        """Raise unless the forward about to be captured runs the steady hot path of a laid-out plan."""
+        if not steady:
+            raise UnsupportedOperationError(
+                f"a CUDA graph is capturing the offloaded {self.model_name} in its {phase} phase; its "
+                "first forwards learn the model and need Python and device synchronisation around every "
+                "unit, which a capture forbids. Run it without CUDA graphs until "
+                "flextensor.phase(model) == 'inference' (torch.compile's reduce-overhead mode captures "
+                "from its second compiled call: run the model eagerly a few times first)"
+            )
+        if not planned:
+            raise UnsupportedOperationError(
+                f"a CUDA graph is capturing the offloaded {self.model_name} with inputs it has no plan "
+                "for; run these inputs once without CUDA graphs first, so that their plan is laid out "
+                "before the capture"
+            )
+
+    def capture_plan(self, streamed: list[Unit], owner: list[Unit | None]) -> tuple[set[Unit], set[Unit]]:
+        """(units a graph captured now may skip copying at its start, units it must leave loaded)."""
+        held = {u for u in streamed if holds_weights(u, owner)}
+        if self.guaranteed is None:
+            end = steady_end_state(streamed, owner)
+            self.guaranteed = {u for u in held if holds_weights(u, end)}
+        return held & self.guaranteed, self.guaranteed
+
+    def after_capture(self, store: DeviceStore, assumed: set[Unit]) -> None:
+        """The capture ran nothing: the arena holds what it held before it, or, once replayed, what the
+        graph leaves. Only ``assumed`` is in both."""
+        self.captured = True
+        owner = store.owner
+        for cell, occupant in enumerate(owner):
+            if occupant is not None and occupant not in assumed:
+                owner[cell] = None
+        # Events recorded in a capture were never recorded on the device: eager forwards get fresh ones
+        # (never recorded, so waiting on one waits for nothing; the fences order them against replays).
+        for unit in store.units:
+            self._retired += (unit.copy_done, unit.compute_done)
+            unit.copy_done, unit.compute_done = self.runtime.event(), self.runtime.event()
+
+    def restore(self, store: DeviceStore) -> None:
+        """End of an eager forward after a capture: load any guaranteed unit it left out, on the copy
+        stream after the forward's compute, so that a replay can follow."""
+        if not self.guaranteed:
+            return
+        compute = self.runtime.current_stream()
+        for unit in self.guaranteed:
+            if not holds_weights(unit, store.owner):
+                store.load_on_demand(unit, compute)
+
+    def keep_layout(self, signature: tuple[str, ...], current: tuple[str, ...] | None) -> bool:
+        """Whether a forward with ``signature`` must keep the layout made for ``current``: after a
+        capture, another layout would free memory the graph copies into."""
+        if not self.captured or current is None or signature == current:
+            return False
+        if signature not in self._warned:
+            self._warned.add(signature)
+            logger.warning(
+                "inputs %s run with the plan made for %s: a CUDA graph of %s was captured with that "
+                "layout, which is kept so that its replays stay valid (plan other shapes before the first "
+                "capture by running them once without CUDA graphs)",
+                ", ".join(signature),
+                ", ".join(current),
+                self.model_name,
+            )
+        return True
+
+    def fence_begin(self) -> None:
+        """Eager forward after a capture: its copies come after the compute already queued (a replay)."""
+        if self.captured:
+            self.runtime.copy_stream.wait_stream(self.runtime.current_stream())
+
+    def fence_end(self) -> None:
+        """Eager forward after a capture: later work on the compute stream comes after its copies."""
+        if self.captured:
+            self.runtime.current_stream().wait_stream(self.runtime.copy_stream)
+
+    def __repr__(self) -> str:
+        state: Any = "captured" if self.captured else "never captured"
+        return f"GraphCaptures({self.model_name}, {state})"

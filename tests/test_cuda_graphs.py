@@ -1,0 +1,116 @@
+"""The bookkeeping of captured forwards, on the CPU: what a graph assumes at its start, what it and every
+eager forward after it leave in the arena (see [Note: captured forwards] in cuda_graphs.py).
+
+A CPU has no CUDA graphs; these tests make the engine believe a capture runs, so the captured driver
+does its real work (loads, prefetches, joins) on the host streams. The GPU tests capture for real.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flextensor
+from flextensor.api import engine_of
+from flextensor.cuda_graphs import steady_end_state
+from flextensor.errors import UnsupportedOperationError
+from flextensor.slots import holds_weights
+from flextensor.steady import CapturedStep
+from real_models import llama_inputs, tiny_llama
+from streaming import streaming_config
+
+
+def steady_llama(layers: int = 4):
+    model = tiny_llama(layers=layers, tie=False)
+    flextensor.offload(model, streaming_config(model, ["model.layers.*"]))
+    with torch.no_grad():
+        for _ in range(4):
+            model(llama_inputs())
+    assert flextensor.phase(model) == "inference"
+    return model
+
+
+def capture_one(model, monkeypatch: pytest.MonkeyPatch) -> CapturedStep:
+    """One forward run by the captured driver, as inside torch.cuda.graph."""
+    engine = engine_of(model)
+    seen: list[CapturedStep] = []
+    original = engine._captured_driver
+
+    def spy() -> CapturedStep:
+        seen.append(original())
+        return seen[-1]
+
+    monkeypatch.setattr(engine.graphs, "capturing", lambda: True)
+    monkeypatch.setattr(engine, "_captured_driver", spy)
+    with torch.no_grad():
+        model(llama_inputs())
+    monkeypatch.undo()
+    return seen[0]
+
+
+def test_the_steady_end_state_is_a_fixed_point_that_a_forward_reaches() -> None:
+    model = steady_llama()
+    engine = engine_of(model)
+    streamed = [u for u in engine.order if not u.resident]
+    predicted = steady_end_state(streamed, [None] * len(engine.store.owner))
+    assert steady_end_state(streamed, predicted) == predicted
+    with torch.no_grad():
+        model(llama_inputs())
+    assert engine.store.owner == predicted
+
+
+def test_a_captured_forward_leaves_what_the_next_replay_assumes(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = steady_llama()
+    engine = engine_of(model)
+    reference = tiny_llama(layers=4, tie=False)
+    with torch.no_grad():
+        expected = reference(llama_inputs()).logits
+    step = capture_one(model, monkeypatch)
+    guaranteed = engine.graphs.guaranteed
+    assert guaranteed and step.assumed <= guaranteed and step.joined
+    assert engine.graphs.captured
+    # After the capture only what both the pre-capture arena and any replay's end hold counts as loaded.
+    owner = engine.store.owner
+    assert {u for u in owner if u is not None} <= step.assumed
+    # An eager forward after it is right, and leaves every guaranteed unit loaded for a replay.
+    with torch.no_grad():
+        assert torch.equal(model(llama_inputs()).logits, expected)
+    assert all(holds_weights(u, engine.store.owner) for u in guaranteed)
+    # A second capture keeps the first one's guarantee.
+    second = capture_one(model, monkeypatch)
+    assert engine.graphs.guaranteed == guaranteed and second.assumed == guaranteed
+    with torch.no_grad():
+        assert torch.equal(model(llama_inputs()).logits, expected)
+
+
+def test_a_capture_while_learning_is_refused_and_leaves_the_model_working(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_llama(layers=4, tie=False)
+    flextensor.offload(model, streaming_config(model, ["model.layers.*"]))
+    engine = engine_of(model)
+    monkeypatch.setattr(engine.graphs, "capturing", lambda: True)
+    with torch.no_grad(), pytest.raises(UnsupportedOperationError, match="discovery phase"):
+        model(llama_inputs())
+    monkeypatch.undo()
+    reference = tiny_llama(layers=4, tie=False)
+    with torch.no_grad():
+        expected = reference(llama_inputs()).logits
+        outputs = [model(llama_inputs()).logits for _ in range(4)]
+    assert flextensor.phase(model) == "inference"
+    assert all(torch.equal(o, expected) for o in outputs)
+
+
+def test_after_a_capture_other_shapes_keep_the_layout(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    model = steady_llama()
+    engine = engine_of(model)
+    layouts = flextensor.status(model).layouts
+    capture_one(model, monkeypatch)
+    reference = tiny_llama(layers=4, tie=False)
+    other = llama_inputs(batch=1, seq=5)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="flextensor"):
+        assert torch.equal(model(other).logits, reference(other).logits)
+        assert torch.equal(model(other).logits, reference(other).logits)
+    assert caplog.text.count("run with the plan made for") == 1
+    assert flextensor.status(model).layouts == layouts and flextensor.phase(model) == "inference"
+    assert engine.signature is not None

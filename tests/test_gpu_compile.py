@@ -1,0 +1,146 @@
+"""On a CUDA device: compiled offloaded models, and CUDA graphs that capture the plan's copies and events.
+
+Every unit streams through a two-slot arena, so a replay that read a range before its copy, or a copy
+that overwrote a range still being read, would change the output. Run with ``pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor
+from flextensor.errors import UnsupportedOperationError
+from streaming import streaming_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)"),
+]
+
+FORWARDS = 5
+
+
+class Blocks(nn.Module):
+    def __init__(self, dim: int = 1024, layers: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim)) for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) + x
+        return x
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def offloaded_blocks() -> nn.Module:
+    model = Blocks()
+    config = streaming_config(model, ["blocks.*"]).model_copy(update={"device": "cuda"})
+    return flextensor.offload(model, config)
+
+
+def all_streamed(model: nn.Module) -> bool:
+    status = flextensor.status(model)
+    return status.phase == "inference" and len(status.streamed) == len(status.units)
+
+
+def inputs(seed: int, rows: int = 256) -> torch.Tensor:
+    return torch.randn(rows, 1024, generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_offloaded_model_on_cuda_is_bitwise_the_natively_compiled_one(mode: str) -> None:
+    from torch._dynamo.utils import counters
+
+    native = torch.compile(Blocks().cuda(), mode=mode)
+    with torch.no_grad():
+        references = [native(inputs(i)).clone() for i in range(FORWARDS + 3)]
+    del native
+    torch._dynamo.reset()
+    counters.clear()
+    model = offloaded_blocks()
+    compiled = torch.compile(model, mode=mode)
+    with torch.no_grad():
+        outputs = [compiled(inputs(i)).clone() for i in range(FORWARDS + 3)]
+    assert all_streamed(model)
+    for output, reference in list(zip(outputs, references, strict=True))[2:]:
+        assert torch.equal(output, reference)
+    if mode == "reduce-overhead":
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert not counters["graph_break"]
+
+
+def test_a_manual_cuda_graph_capture_replays_the_streaming_bitwise() -> None:
+    native = Blocks().cuda()
+    with torch.no_grad():
+        references = [native(inputs(i)).clone() for i in range(4)]
+    model = offloaded_blocks()
+    with torch.no_grad():
+        for i in range(FORWARDS):
+            model(inputs(i))
+    assert all_streamed(model)
+    static = inputs(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        model(static)  # warm-up on the capturing stream, as torch.cuda.graph asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = model(static)
+    for i in (1, 2, 3, 0, 2):
+        static.copy_(inputs(i))
+        graph.replay()
+        assert torch.equal(static_out, references[i]), f"replay with inputs {i}"
+    with torch.no_grad():  # eager forwards between replays are fenced against them
+        assert torch.equal(model(inputs(3)), references[3])
+        static.copy_(inputs(1))
+        graph.replay()
+        assert torch.equal(static_out, references[1])
+        assert torch.equal(model(inputs(2)), references[2])
+
+
+def test_capturing_a_model_still_learning_is_refused() -> None:
+    model = offloaded_blocks()
+    static = inputs(0)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(UnsupportedOperationError, match="phase"), torch.no_grad(), torch.cuda.graph(graph):
+        model(static)
+    with torch.no_grad():  # the failed capture left the model working
+        for i in range(FORWARDS):
+            model(inputs(i))
+    native = Blocks().cuda()
+    with torch.no_grad():
+        assert torch.equal(model(inputs(2)), native(inputs(2)))
+
+
+def test_after_a_capture_new_shapes_keep_the_layout_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model = offloaded_blocks()
+    with torch.no_grad():
+        for i in range(FORWARDS):
+            model(inputs(i))
+    layouts = flextensor.status(model).layouts
+    static = inputs(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        model(static)
+    native = Blocks().cuda()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="flextensor"):
+        other = inputs(5, rows=64)
+        assert torch.equal(model(other), native(other))
+        assert torch.equal(model(other), native(other))
+    assert "CUDA graph" in caplog.text and caplog.text.count("run with the plan made for") == 1
+    assert flextensor.status(model).layouts == layouts
+    graph.replay()  # still valid: the layout it holds is the one in place
