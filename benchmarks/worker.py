@@ -310,7 +310,7 @@ def _run(args: argparse.Namespace) -> None:
                 _sync(device)
                 times.append(time.perf_counter() - t)
                 if first is None:
-                    first = out
+                    first = out.clone()  # a CUDA graph's next replay overwrites its outputs
                 else:
                     repeatable = repeatable and torch.equal(first, out)
                 rec.save(step_times_s=[round(x, 6) for x in times])

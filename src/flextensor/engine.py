@@ -105,6 +105,7 @@ class OffloadEngine:
         self._samples: list[StepSample] = []
         self._timing_samples: dict[tuple[str, ...], StepSample] = {}  # discovery forwards, by inputs
         self._extra_forwards = 0
+        self._compile_discards = 0  # profiling forwards left out because the compiler ran in them
         self.policy = PlanPolicy(self.runtime, target.budget_bytes)
         self._record_next = False
         self._check_next = False  # the first forward from a saved profile checks the model still fits it
@@ -239,7 +240,10 @@ class OffloadEngine:
             self._after_check(result)
         elif isinstance(driver, ProfilingStep):
             sample = driver.end()
-            if error is None:
+            if error is None and driver.compiled_during() and self._compile_discards < EXTRA_FORWARDS:
+                self._compile_discards += 1
+                logger.info("torch.compile compiled during a profiling forward; profiling one more")
+            elif error is None:
                 self._after_profiling(sample)
             elif issubclass(error, torch.OutOfMemoryError) and any(u.resident for u in self.units.values()):
                 # Units kept resident to profile a new shape left too little room for its activations.
@@ -372,6 +376,7 @@ class OffloadEngine:
             self._samples, link, self.store.device_bytes_held(), self.signature, timing_only
         )
         self._samples, self._phase_forwards, self._extra_forwards = [], 0, 0
+        self._compile_discards = 0
         self.install_plan(measurements)
 
     def adopt_profile(self, order: list[str], measurements: Measurements, plan: Plan | None) -> None:

@@ -16,6 +16,7 @@ discovery forward, which does more host work, is suspect), the engine profiles o
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,6 +203,15 @@ class StepProfiler:
         return sample
 
 
+def graphs_compiled() -> int:
+    """How many graphs Dynamo has compiled in this process (0 while it is not loaded)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class ProfilingStep:
     """The unit hooks' driver during a profiling forward: load on demand, time the copy and the compute."""
 
@@ -209,13 +219,20 @@ class ProfilingStep:
         self.store = store
         self.profiler = StepProfiler(store.runtime)
         self._compute: Any = None
+        self._graphs_before = 0
 
     def begin(self) -> None:
         self._compute = self.store.runtime.current_stream()
+        self._graphs_before = graphs_compiled()
         self.profiler.begin_step()
 
     def end(self) -> StepSample:
         return self.profiler.end_step()
+
+    def compiled_during(self) -> bool:
+        """Whether torch.compile compiled a graph during this forward: its times and memory peak are the
+        compiler's (autotuning buffers included), not the compiled model's."""
+        return graphs_compiled() != self._graphs_before
 
     def pre(self, unit: Unit) -> None:
         profiler = self.profiler
