@@ -210,20 +210,10 @@ class CapturedStep(SteadyStep):
             self.compute.wait_event(unit.copy_done)
 
     def post(self, unit: Unit, output: Any) -> None:
-        compute, owner = self.compute, self.owner
-        unit.compute_done.record(compute)
+        pending = [u for u in unit.prefetch_next if not holds_weights(u, self.owner)]
+        super().post(unit, output)  # records compute_done, then copies ``pending`` after it
         self.computed.add(unit)
-        pending = [u for u in unit.prefetch_next if not holds_weights(u, owner)]
-        if pending:
-            copy = self.copy
-            self.set_stream(copy)
-            try:
-                copy.wait_event(unit.compute_done)
-                for upcoming in pending:
-                    copy_into_range(upcoming, owner, copy)
-                    self.copied.add(upcoming)
-            finally:
-                self.set_stream(compute)
+        self.copied.update(pending)
         if unit is self.last:
             self.join()
 
