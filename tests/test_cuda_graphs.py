@@ -114,3 +114,13 @@ def test_after_a_capture_other_shapes_keep_the_layout(monkeypatch: pytest.Monkey
     assert caplog.text.count("run with the plan made for") == 1
     assert flextensor.status(model).layouts == layouts and flextensor.phase(model) == "inference"
     assert engine.signature is not None
+
+
+def test_releasing_a_captured_model_warns_that_its_graphs_must_not_replay(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = steady_llama()
+    capture_one(model, monkeypatch)
+    with caplog.at_level("WARNING", logger="flextensor"):
+        flextensor.release(model)
+    assert "must not be replayed" in caplog.text

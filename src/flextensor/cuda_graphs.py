@@ -116,6 +116,15 @@ class GraphCaptures:
             if not holds_weights(unit, store.owner):
                 store.load_on_demand(unit, compute)
 
+    def warn_on_release(self) -> None:
+        """A graph replayed after release() would copy into freed memory, and nothing can stop it."""
+        if self.captured:
+            logger.warning(
+                "releasing %s, of which a CUDA graph was captured: that graph copies into memory freed now "
+                "and must not be replayed (drop it; torch._dynamo.reset() drops reduce-overhead graphs)",
+                self.model_name,
+            )
+
     def keep_layout(self, signature: tuple[str, ...], current: tuple[str, ...] | None) -> bool:
         """Whether a forward with ``signature`` must keep the layout made for ``current``: after a
         capture, another layout would free memory the graph copies into."""

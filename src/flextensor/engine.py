@@ -529,6 +529,7 @@ class OffloadEngine:
         """Remove every hook and give each parameter storage of its own on ``device`` (default: the
         offload device). Builds every copy before changing anything: a failure (out of memory) leaves
         the model offloaded and working, and a second call can finish."""
+        self.graphs.warn_on_release()
         target = device if device is not None else self.runtime.device
         built = self.store.build_released(target)
         others: list[tuple[Any, str, torch.Tensor]] = []
