@@ -312,3 +312,20 @@ def test_the_ops_pass_torch_library_opcheck() -> None:
     finally:
         compiled.unregister(model_id)
     assert ("pre", 3) in runs.calls and ("post", 3) in runs.calls and ("end", None) in runs.calls
+
+
+def test_a_profiling_forward_in_which_the_compiler_ran_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its times and memory peak are the compiler's: one more forward is profiled instead."""
+    import flextensor.engine
+
+    monkeypatch.setattr(flextensor.engine, "samples_disagree", lambda *args: False)  # no noise retries
+    case = _llama_case()
+    model = offloaded(case, discovery_forwards=1, profiling_forwards=1)
+    compiled = torch.compile(model)
+    phases = []
+    with torch.no_grad():
+        for _ in range(3):
+            case.run(compiled)
+            phases.append(flextensor.phase(model))
+    # Forward 1 discovers (eagerly); forward 2 compiles, so it is left out; forward 3 is profiled.
+    assert phases == ["profiling", "profiling", "inference"]
