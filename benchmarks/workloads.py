@@ -19,7 +19,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -192,6 +192,21 @@ WORKLOADS: dict[str, Workload] = {
             methods=_DECODE_METHODS,
         ),
         Workload(
+            name="llama32_decode_b1_static",
+            kind="llama_decode",
+            model_kwargs=LLAMA_8B,
+            unit="model.layers.*",
+            shape={"batch": 1, "cache_len": 4096, "static_cache": True},
+            description="Llama-3.1-8B config, one new token on a 4096-token transformers StaticCache (random "
+            "K/V), batch 1: every step the same addresses, as CUDA graphs need",
+            methods=(
+                "native",
+                "native/compile=graphs",
+                "ours_budget:8GB",
+                "ours_budget:8GB/compile=graphs",
+            ),
+        ),
+        Workload(
             name="llama32_decode_b32",
             kind="llama_decode",
             model_kwargs=LLAMA_8B,
@@ -239,6 +254,16 @@ WORKLOADS: dict[str, Workload] = {
             shape={"batch": 2, "cache_len": 48},
             description="tiny LlamaForCausalLM (3 layers), one token on a 48-token KV cache, CPU smoke",
             methods=("native", "ours", "diffusers_group:model", "accelerate"),
+            tiny=True,
+        ),
+        Workload(
+            name="llama_tiny_decode_static",
+            kind="llama_decode",
+            model_kwargs=LLAMA_TINY,
+            unit="model.layers.*",
+            shape={"batch": 2, "cache_len": 48, "static_cache": True},
+            description="tiny LlamaForCausalLM (3 layers), one token on a 48-token StaticCache, CPU smoke",
+            methods=("native", "ours", "ours/compile=whole"),
             tiny=True,
         ),
     )
@@ -409,17 +434,14 @@ def make_inputs(w: Workload, device: str) -> dict[str, Any]:
         ids = torch.randint(0, vocab, (s["batch"], s["seq_len"]), generator=gen)
         return {"input_ids": ids.to(dev), "use_cache": False, "logits_to_keep": 1}
     # decode: one new token per sequence on a full KV cache
-    from transformers import DynamicCache
-
     cfg = llama_config(w)
     ids = torch.randint(0, vocab, (s["batch"], 1), generator=gen)
+    if s.get("static_cache"):
+        return _static_decode_inputs(w, cfg, ids.to(dev), dev)
+    from transformers import DynamicCache
+
     cache = DynamicCache(config=cfg)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv_shape = (s["batch"], cfg.num_key_value_heads, s["cache_len"], head_dim)
-    dgen = torch.Generator(device=dev).manual_seed(4321 + w.seed)
-    for layer in range(cfg.num_hidden_layers):
-        k = torch.empty(kv_shape, dtype=torch.bfloat16, device=dev).normal_(generator=dgen)
-        v = torch.empty(kv_shape, dtype=torch.bfloat16, device=dev).normal_(generator=dgen)
+    for layer, k, v in _random_kv(w, cfg, dev):
         cache.update(k, v, layer)
         del k, v
     if not hasattr(cache, "layers"):
@@ -427,9 +449,47 @@ def make_inputs(w: Workload, device: str) -> dict[str, Any]:
     return {"input_ids": ids.to(dev), _cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 1}
 
 
-def _truncate_cache(cache: Any, length: int) -> None:
-    # Each decode step appends one token; cut it off so every step sees the same 4k cache.
+def _random_kv(w: Workload, cfg: Any, dev: Any) -> Iterator[tuple[int, Any, Any]]:
+    """Seeded random keys and values of every layer, drawn on ``dev``, one layer at a time."""
+    import torch
+
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_shape = (w.shape["batch"], cfg.num_key_value_heads, w.shape["cache_len"], head_dim)
+    dgen = torch.Generator(device=dev).manual_seed(4321 + w.seed)
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.empty(kv_shape, dtype=torch.bfloat16, device=dev).normal_(generator=dgen)
+        v = torch.empty(kv_shape, dtype=torch.bfloat16, device=dev).normal_(generator=dgen)
+        yield layer, k, v
+
+
+def _static_decode_inputs(w: Workload, cfg: Any, ids: Any, dev: Any) -> dict[str, Any]:
+    # A StaticCache one position longer than the random cache: every step writes its token's K/V at
+    # position cache_len, the same slot with the same values, so every step sees the same cache at the same
+    # addresses (nothing to cut back, as CUDA graphs need).
+    import torch
+    from transformers import StaticCache
+
+    length = w.shape["cache_len"]
+    cache = StaticCache(config=cfg, max_cache_len=length + 1)
+    filled = torch.arange(length, device=dev)
+    for layer, k, v in _random_kv(w, cfg, dev):
+        cache.update(k, v, layer, {"cache_position": filled})
+        del k, v
+    position = torch.tensor([length], device=dev)
+    return {"input_ids": ids, _cache_kwarg(): cache, "cache_position": position, "use_cache": True,
+            "logits_to_keep": 1}  # fmt: skip
+
+
+def _rewind_cache(cache: Any, length: int, static: bool) -> None:
+    # Each decode step appends one token; cut it off so every step sees the same 4k cache. A static
+    # layer rewrites the same position every step; one that counts its own length (transformers >= 5.2x)
+    # has its count set back in place (its address is static).
     for layer in cache.layers:
+        if static:
+            counted = getattr(layer, "cumulative_length", None)
+            if counted is not None:
+                counted.fill_(length)
+            continue
         layer.keys = layer.keys[..., :length, :]
         layer.values = layer.values[..., :length, :]
 
@@ -440,5 +500,5 @@ def run_step(model: Any, w: Workload, inputs: dict[str, Any]) -> torch.Tensor:
     if w.kind == "wan":
         return out[0]
     if w.kind == "llama_decode":
-        _truncate_cache(inputs[_cache_kwarg()], w.shape["cache_len"])
+        _rewind_cache(inputs[_cache_kwarg()], w.shape["cache_len"], static=bool(w.shape.get("static_cache")))
     return out.logits

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for torch.compile and CUDA graphs: the GPU tests (all of them), then the
 # compiled benchmarks. PART=1 (default): tests + wan20 regional compile against native compiled and
-# flextensor 0.5.0's compile_fn. PART=2: llama32 prefill compiled whole, and llama32_decode_b1 with CUDA
+# flextensor 0.5.0's compile_fn. PART=2: llama32 prefill compiled whole, and llama32_decode_b1_static with CUDA
 # graphs (reduce-overhead) against native with and without graphs. Each part fits a 10-minute call.
 #   device tool: carry [".whl"], command: PART=1 bash scripts/gpu_compile_check.sh
 set -u
@@ -18,7 +18,7 @@ else
     python3 -m benchmarks.run --workload llama32 --device cuda --out "$out" --deadline 250 --timeout 150 \
         --min-steps 5 --methods "native/compile=whole,ours_budget:8GiB/compile=whole" 2>&1 | tail -5
     left=$((570 - (SECONDS - start)))
-    python3 -m benchmarks.run --workload llama32_decode_b1 --device cuda --out "$out" --deadline "$left" \
+    python3 -m benchmarks.run --workload llama32_decode_b1_static --device cuda --out "$out" --deadline "$left" \
         --timeout 150 --min-steps 5 \
         --methods "native,native/compile=graphs,ours_budget:8GiB,ours_budget:8GiB/compile=graphs" 2>&1 | tail -7
 fi

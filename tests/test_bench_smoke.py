@@ -33,6 +33,7 @@ RUNS = {
     "wan_tiny": "native,ours,ours_budget:256KiB,diffusers_group,accelerate,flextensor050,"
     "native/compile=regional,ours_budget:256KiB/compile=regional",
     "llama_tiny_decode": "native,ours,diffusers_group:model",
+    "llama_tiny_decode_static": "native,ours",
 }
 BUILD_FIRST = "llama_tiny_decode"  # this one builds its weights the GPU way: a process of their own
 DOC_FIELDS = {"schema", "workload", "description", "device", "created", "link", "build", "settings"}
