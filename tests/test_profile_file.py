@@ -467,11 +467,6 @@ INVALID_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         _set(("fingerprint", "parameters", 1, 0), "embed.weight"),
         r"parameters\[1\] lists",
     ),
-    (
-        "unit_parameters extra",
-        _set(("unit_parameters", "ghost"), []),
-        r"unit_parameters\['ghost'\] is for a unit",
-    ),
     ("unit_parameters missing", _delete(("unit_parameters", "layers.2")), r"no entry for unit 'layers\.2'"),
     (
         "unknown streamed parameter",

@@ -14,6 +14,7 @@ from .config import OffloadConfig
 from .device import resolve_device, resolve_target
 from .engine import OffloadEngine
 from .errors import AlreadyOffloadedError, NotOffloadedError
+from .hooks import entry_method_names
 from .packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
 from .selection import select
 from .status import OffloadStatus
@@ -70,6 +71,8 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         )
     check_offloadable(model)
     config = config if config is not None else OffloadConfig()
+    explicit = "entry_methods" in config.model_fields_set
+    entry_methods = entry_method_names(model, config.entry_methods, explicit)
     target = resolve_target(config)
     selection = select(model, config.include_patterns, config.exclude_patterns)
     with Packing(model, selection, target) as packing:
@@ -77,7 +80,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         packing.move_resident_to(target.device)
         resident = {name: "not selected for offloading" for name in selection.resident_parameters}
         resident.update(selection.resident_reasons)
-        engine = OffloadEngine(model, config, target, units, resident)
+        engine = OffloadEngine(model, config, target, units, resident, entry_methods)
         packing.on_undo(engine.hooks.detach)
         packing.on_undo(lambda: unmark_offloaded(model))
         packing.on_undo(lambda: model.__dict__.pop(_ENGINE_ATTR, None))

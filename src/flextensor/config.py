@@ -112,6 +112,7 @@ class OffloadConfig(BaseModel):
     max_gpu_mem_fraction    FT_MAX_GPU_MEM_FRACTION     ``0.8``
     profile                 FT_PROFILE                  ``/data/llama.profile``
     share_host_memory       FT_SHARE_HOST_MEMORY        ``false``
+    entry_methods           FT_ENTRY_METHODS            ``encode,decode`` (comma-separated)
     ======================  ==========================  ==================================================
 
     The pattern fields are stored as tuples (lists are accepted) so that the config is truly immutable
@@ -200,6 +201,17 @@ class OffloadConfig(BaseModel):
         ),
     )
 
+    entry_methods: tuple[str, ...] = Field(
+        default=("encode", "decode"),
+        description=(
+            "Methods other than forward through which callers run the model, e.g. a VAE's encode and "
+            "decode, which pipelines call instead of forward: each call is a step of its own, learned, "
+            "planned and streamed like a forward (its own plan, since it runs other modules). Names the "
+            "model lacks are skipped for the default; a name given explicitly must be a method of the "
+            "model, else offload() raises ConfigError. () means forward only."
+        ),
+    )
+
     def __init__(self, **data: Any) -> None:
         """Validate ``data`` and build the config.
 
@@ -239,6 +251,21 @@ class OffloadConfig(BaseModel):
                 validate_pattern(pattern)
             except ValueError as exc:
                 raise ConfigError(f"{name}[{index}]: {exc}") from None
+        return tuple(value)
+
+    @field_validator("entry_methods", mode="before")
+    @classmethod
+    def _check_entry_methods(cls, value: object) -> tuple[str, ...]:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(
+                f"entry_methods must be a list of method names, e.g. ['encode', 'decode'], got "
+                f"{type(value).__name__} {value!r}"
+            )
+        for index, name in enumerate(value):
+            if not isinstance(name, str) or not name.isidentifier() or name.startswith("__"):
+                raise ConfigError(f"entry_methods[{index}]: {name!r} is not a method name such as 'decode'")
+            if name == "forward":
+                raise ConfigError("entry_methods: 'forward' is always an entry; name only the other methods")
         return tuple(value)
 
     @field_validator("device", mode="before")

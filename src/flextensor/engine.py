@@ -73,6 +73,7 @@ class OffloadEngine:
         target: Target,
         units: list[Unit],
         resident_reasons: dict[str, str],
+        entry_methods: tuple[str, ...] = (),
     ) -> None:
         from .hooks import ForwardBracket, ModelHooks  # hooks.py types its controller by protocol only
 
@@ -85,6 +86,7 @@ class OffloadEngine:
         self.resident_reasons = resident_reasons  # FQN -> why it never streams, incl. found in discovery
         self.owner_of = {id(p): u for u in units for _, p, _ in u.parameters}
         self.bracket = ForwardBracket(model)
+        self.entry_methods = entry_methods  # bracketed like forward (hooks.entry_point)
         self.hooks = ModelHooks(self)
         self.phase = Phase.DISCOVERY
         self.order: list[Unit] = []  # execution order, once discovered

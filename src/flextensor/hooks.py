@@ -13,6 +13,7 @@ closes a forward that was interrupted by an exception PyTorch hands to no ``alwa
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -51,6 +52,7 @@ class Controller(Protocol):
     bracket: ForwardBracket
     runtime: Any  # DeviceRuntime
     phase: Any  # engine.Phase
+    entry_methods: tuple[str, ...]  # methods besides forward that bracket a step (see entry_method_names)
 
     def begin_forward(self, signature: tuple[str, ...]) -> None: ...
 
@@ -103,8 +105,11 @@ class ForwardBracket:
             return False
         calls, frame = 0, sys._getframe(1)
         while frame is not None:
-            if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is self._model:
+            code = frame.f_code
+            if code.co_name == "_call_impl" and frame.f_locals.get("self") is self._model:
                 calls += 1
+            elif code is _ENTERED_CODE and frame.f_locals.get("module") is self._model:
+                calls += 1  # an entry method (vae.decode) called inside the model's forward
             frame = frame.f_back
         return calls == 1
 
@@ -161,13 +166,13 @@ def unit_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) ->
     return values[_HOOKS].run_unit_post(values[_UNIT], output)
 
 
-def model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def model_pre_hook(module: nn.Module, args: tuple, kwargs: dict, entry: str | None = None) -> None:
     if torch.compiler.is_compiling():  # the model is part of a larger compiled module
-        signature = "|".join(input_signature(args, kwargs))
+        signature = "|".join(step_signature(args, kwargs, entry))
         torch.ops.flextensor.model_begin(getattr(module, _TOKEN), getattr(module, _MODEL_ID), signature)
         return
     hooks = module.__dict__[_HOOKS]
-    if hooks.model_begin(args, kwargs):
+    if hooks.model_begin(step_signature(args, kwargs, entry)):
         # Switched off here, in this frame, not in a function it calls: Dynamo restores its callback when
         # a skipped frame returns (see [Note: compiled hot path] in compiled.py).
         previous = _set_eval_frame(False)
@@ -189,6 +194,52 @@ def model_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
     if hooks.stance is not None and not hooks._controller.bracket.running:
         stance, hooks.stance = hooks.stance, None
         stance.__exit__(None, None, None)
+
+
+def step_signature(args: tuple, kwargs: dict, entry: str | None) -> tuple[str, ...]:
+    """The inputs a step's plan is chosen by; a step entered through another method than forward (a VAE's
+    decode) is a signature of its own, since it runs other modules."""
+    signature = input_signature(args, kwargs)
+    return signature if entry is None else (f"method={entry}", *signature)
+
+
+def entry_point(module: nn.Module, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a bound method of the offloaded ``module``) bracketed as a step, as forward is by the
+    module's pre/post hooks: a pipeline calls ``vae.decode()``, never ``vae()``."""
+
+    @functools.wraps(method)
+    def entered(*args: Any, **kwargs: Any) -> Any:
+        model_pre_hook(module, args, kwargs, name)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            model_post_hook(module, args, None)  # sees the exception in sys.exc_info(): a failed step
+            raise
+        model_post_hook(module, args, output if output is not None else True)
+        return output
+
+    return entered
+
+
+_ENTERED_CODE = entry_point(nn.Module(), "", lambda: None).__code__
+"""The code of every entry-method wrapper: ForwardBracket.interrupted counts its frames as calls."""
+
+
+def entry_method_names(model: nn.Module, names: Iterable[str], explicit: bool) -> tuple[str, ...]:
+    """The methods of ``model`` among ``names`` (OffloadConfig.entry_methods) to bracket as steps. Names
+    the model lacks are skipped when they are the defaults, refused when given explicitly."""
+    from .errors import ConfigError
+
+    found = []
+    for name in names:
+        if callable(getattr(type(model), name, None)):
+            found.append(name)
+        elif explicit:
+            raise ConfigError(
+                f"entry_methods names {name!r}, but {type(model).__name__} has no method of that name; "
+                "name the methods callers run the model through (e.g. ['encode', 'decode'])"
+            )
+    return tuple(found)
 
 
 def _refuse_copy(*args: Any) -> Any:
@@ -256,6 +307,8 @@ class ModelHooks:
         # would otherwise fail deep inside on the engine's mmaps and hooks, or copy views of the arena.
         model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign,assignment]
         model.__deepcopy__ = _refuse_copy  # type: ignore[attr-defined]
+        for name in self._controller.entry_methods:
+            model.__dict__[name] = entry_point(model, name, getattr(model, name))
 
     def hook_units(self, wanted: Iterable[Unit]) -> None:
         """Hook exactly the ``wanted`` units (plan time only): add missing pairs, remove the others."""
@@ -285,8 +338,9 @@ class ModelHooks:
 
     def detach(self) -> None:
         """Remove every hook and guard; safe to call twice."""
-        model = self._controller.model
-        for name in _GUARDED:
+        controller = self._controller
+        model = controller.model
+        for name in (*_GUARDED, *controller.entry_methods):
             model.__dict__.pop(name, None)
         for handle in self._model_handles:
             handle.remove()
@@ -301,14 +355,14 @@ class ModelHooks:
 
     # -- the forward (the module-level hook functions below call these) ------------------------------------
 
-    def model_begin(self, args: tuple, kwargs: dict) -> bool:
+    def model_begin(self, signature: tuple[str, ...]) -> bool:
         """The model's forward begins; returns whether it must run uncompiled (discovery)."""
         controller = self._controller
         if not self._guarding:  # torch.compile may have loaded Dynamo since offload()
             self._guarding = compiled.guard_hooks_if_compiling(controller.model)
             if self._guarding:
                 compiled.mark_static(self.token, self.spare)
-        self.begin(input_signature(args, kwargs))
+        self.begin(signature)
         return controller.bracket.depth == 1 and getattr(controller.step, "eager_only", False)
 
     def begin(self, signature: tuple[str, ...]) -> None:
