@@ -475,6 +475,12 @@ def _static_decode_inputs(w: Workload, cfg: Any, ids: Any, dev: Any) -> dict[str
     for layer, k, v in _random_kv(w, cfg, dev):
         cache.update(k, v, layer, {"cache_position": filled})
         del k, v
+    import torch._dynamo
+
+    for layer in cache.layers:  # the length count a step advances: a static input for CUDA-graph trees
+        counted = getattr(layer, "cumulative_length", None)
+        if isinstance(counted, torch.Tensor):
+            torch._dynamo.mark_static_address(counted)
     position = torch.tensor([length], device=dev)
     return {"input_ids": ids, _cache_kwarg(): cache, "cache_position": position, "use_cache": True,
             "logits_to_keep": 1}  # fmt: skip

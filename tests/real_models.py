@@ -64,3 +64,59 @@ def wan_inputs(seed: int = 1, frames: int = 2) -> dict[str, torch.Tensor]:
         "timestep": torch.tensor([10]),
         "encoder_hidden_states": torch.randn(1, 6, 16, generator=g),
     }
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer built here (nothing downloaded): enough for a pipeline's prompt encoding."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "</s>", "<unk>", "a", "cat", "dog", "runs", "in", "the", "snow", "blurry", "bad"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def tiny_wan_pipeline(seed: int = 0):
+    """A Wan2.2-style text-to-video pipeline, two experts (transformer for high noise, transformer_2 for
+    low noise), a UMT5 text encoder and a Wan VAE, every part tiny and random."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=12, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                   relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    ).eval()  # fmt: skip
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(
+        base_dim=16, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+        latents_mean=[0.1, -0.2, 0.0, 0.3], latents_std=[1.5, 2.0, 1.0, 2.5],
+    ).eval()  # fmt: skip
+    return WanPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=tiny_wan(seed + 2),
+        transformer_2=tiny_wan(seed + 3),
+        boundary_ratio=0.5,
+    )
+
+
+def run_wan_pipeline(pipe, steps: int = 4) -> torch.Tensor:
+    """One seeded generation: guidance on, both experts (the switch at half the steps), the VAE decode."""
+    return pipe(
+        prompt="a cat runs in the snow",
+        negative_prompt="blurry",
+        height=16,
+        width=16,
+        num_frames=1,
+        num_inference_steps=steps,
+        guidance_scale=3.0,
+        generator=torch.Generator().manual_seed(7),
+        output_type="pt",
+        max_sequence_length=8,
+    ).frames

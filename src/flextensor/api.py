@@ -13,7 +13,7 @@ from .bandwidth import probe_link
 from .config import OffloadConfig
 from .device import resolve_device, resolve_target
 from .engine import OffloadEngine
-from .errors import AlreadyOffloadedError, NotOffloadedError
+from .errors import AlreadyOffloadedError, NotOffloadedError, UnsupportedOperationError
 from .hooks import entry_method_names
 from .packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
 from .selection import select
@@ -62,6 +62,10 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     If anything fails here, the model is left exactly as it was. ``model`` may be compiled already
     (``torch.compile(model)``, ``model.compile()``): see docs/compile.md.
     """
+    from .pipelines import components_of, offload_pipeline
+
+    if components_of(model) is not None:  # a diffusers pipeline, or a mapping of names to modules
+        return offload_pipeline(model, config if config is not None else OffloadConfig())
     wrapper, model = model, compiled_original(model)
     # Before check_offloadable: that one also refuses a model already offloaded (as a module of an
     # offloaded model), and the documented error for offloading the same model twice is this one.
@@ -127,6 +131,10 @@ def release(model: nn.Module, device: str | torch.device | None = None) -> nn.Mo
     changes: when that fails (no such device, out of memory) the model stays offloaded and working, and
     ``release`` can be called again.
     """
+    from .pipelines import components_of, release_pipeline
+
+    if components_of(model) is not None:
+        return release_pipeline(model, device)
     engine = engine_of(model)
     target = resolve_device(str(torch.device(device))) if device is not None else None
     engine.release(target)
@@ -158,7 +166,12 @@ def resident_parameters(model: nn.Module) -> list[str]:
 
 
 def phase(model: nn.Module) -> str:
-    """``"discovery"``, ``"profiling"`` or ``"inference"`` (steady state)."""
+    """``"discovery"``, ``"profiling"`` or ``"inference"`` (steady state); of a pipeline, its least
+    advanced component's."""
+    from .pipelines import components_of, pipeline_of
+
+    if components_of(model) is not None:
+        return pipeline_of(model).phase()
     return engine_of(model).phase.value
 
 
@@ -172,6 +185,14 @@ def save_profile(model: nn.Module, path: str | os.PathLike[str]) -> None:
 
     The write is atomic; a symbolic link at ``path`` is followed and its target replaced.
     """
+    from .pipelines import components_of
+
+    if components_of(model) is not None:
+        raise UnsupportedOperationError(
+            "one profile file per pipeline is not supported yet: save each component's, e.g. "
+            "flextensor.save_profile(pipe.transformer, 'transformer.ftprofile.json'), and pass it as "
+            "profile= when offloading that component"
+        )
     from .profile_file import save_profile_file
     from .profile_reuse import snapshot_profile
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,6 +88,7 @@ class OffloadEngine:
         self.owner_of = {id(p): u for u in units for _, p, _ in u.parameters}
         self.bracket = ForwardBracket(model)
         self.entry_methods = entry_methods  # bracketed like forward (hooks.entry_point)
+        self.before_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's (pipelines.py)
         self.hooks = ModelHooks(self)
         self.phase = Phase.DISCOVERY
         self.order: list[Unit] = []  # execution order, once discovered
@@ -148,6 +150,8 @@ class OffloadEngine:
                 "arena held while tracing, not the streaming; use torch.compile, or trace the model before "
                 "offload() or after flextensor.release(model)"
             )
+        if self.before_step is not None:
+            self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
         if self.phase is Phase.PROFILING and self._samples and signature != self.signature:
             # Profiling the previous inputs was cut short by other ones (generate(): a prefill, then
             # decode steps) before it had all its forwards: plan those inputs from what was profiled,
@@ -524,6 +528,23 @@ class OffloadEngine:
                         "detached from flextensor's buffers; call flextensor.release(model) first, "
                         "convert, then offload again"
                     )
+
+    def vacate(self) -> int:
+        """Give back the device bytes held for units while another component of a pipeline runs; the
+        next forward lays its plan out again (re-uploading resident units). Returns the bytes freed: 0
+        while a forward runs, when nothing is laid out, or once a CUDA graph holds the layout's addresses."""
+        if self.bracket.running or not self.laid_out or self.graphs.captured:
+            return 0
+        held = self.store.device_bytes_held()
+        self.store.vacate()
+        self.laid_out = False
+        return held
+
+    def planned_peak_bytes(self) -> int | None:
+        """The peak the plan in force predicts for a step, None while the model is still learning."""
+        if self.phase is Phase.INFERENCE and self.current is not None:
+            return self.current.plan.predicted_peak_bytes
+        return None
 
     # -- release ------------------------------------------------------------------------------------------
 

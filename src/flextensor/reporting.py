@@ -261,14 +261,40 @@ def recorded_timeline(engine: OffloadEngine) -> Timeline:
     return timeline
 
 
-def report(model: nn.Module) -> Report:
-    """Per-unit placement and timing of ``model``'s latest recorded steady step, with totals.
+@dataclass(frozen=True)
+class PipelineReport:
+    """:class:`Report` of each component of an offloaded pipeline that has run a steady step."""
+
+    components: dict[str, Report]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: r.to_dict() for name, r in self.components.items()}
+
+    def __str__(self) -> str:
+        return "\n".join(f"== {name}\n{r.render()}" for name, r in self.components.items())
+
+
+def report(model: nn.Module) -> Report | PipelineReport:
+    """Per-unit placement and timing of ``model``'s latest recorded steady step, with totals; of a
+    pipeline, one per component that has run a steady step.
 
     The first steady forward after each plan is recorded automatically; call
     ``flextensor.record_next_step(model)`` and run a forward to report on a later one. Raises
     NotOffloadedError when the model is not offloaded, or has not run a steady forward yet.
     """
     from .api import engine_of
+    from .pipelines import components_of, pipeline_of
+
+    if components_of(model) is not None:
+        reports = {}
+        for name, component in pipeline_of(model).components.items():
+            try:
+                reports[name] = report(component)
+            except NotOffloadedError:
+                continue  # still learning
+        if not reports:
+            raise NotOffloadedError("no component of the pipeline has run a steady step yet")
+        return PipelineReport(reports)
 
     engine = engine_of(model)
     timeline = recorded_timeline(engine)

@@ -111,6 +111,7 @@ class DeviceStore:
         self.arena: torch.Tensor | None = None
         self.owner: list[Unit | None] = []  # per occupancy cell: whose weights its bytes are
         self.counters = StoreCounters()
+        self.keep_packs = False  # a pipeline component gives its device bytes back between its steps
 
     # -- layout -------------------------------------------------------------------------------------------
 
@@ -229,6 +230,8 @@ class DeviceStore:
         """Free the private host pack of every resident unit named in ``resident_everywhere`` (resident in
         every saved plan): its storage is the only copy it needs (see [Note: one copy of a resident
         unit]). Plan time only, after lay_out, whose uploads have completed."""
+        if self.keep_packs:
+            return
         for unit in self.units:
             pack = unit.pack
             if unit.name in resident_everywhere and unit.resident and pack is not None and not pack.shared:
@@ -263,6 +266,15 @@ class DeviceStore:
         else:
             unit.pack.buffer.copy_(unit.storage)
         unit.storage_version = unit.weights_version()
+
+    def vacate(self) -> None:
+        """Give back every device byte held for units (the arena, resident storage): each unit keeps only
+        its host pack until the next layout. Plan time only: synchronises the device."""
+        self.runtime.synchronize()
+        for unit in self.units:
+            if unit.resident:
+                self._refresh_pack(unit)  # its storage may hold the only copy, or edits
+        self._free_device_bytes(set())
 
     # -- loading ------------------------------------------------------------------------------------------
 

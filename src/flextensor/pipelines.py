@@ -1,0 +1,321 @@
+"""Whole pipelines: one ``offload()`` call for a diffusers pipeline or a mapping of named modules.
+
+[Note: one budget for a pipeline]
+Every ``nn.Module`` component becomes an offloaded model of its own (its engine learns, plans and streams
+it), planned under the pipeline's whole budget. The components of a pipeline run one after another (the
+text encoder, then the transformer's steps, Wan2.2's second expert for the low-noise steps, then the VAE),
+so the device memory they hold can be shared between those phases: before a component's step begins, the
+pipeline makes the others give back the device bytes they hold for their units, least recently run
+first, until what stays held plus the starting component's planned peak fits the budget. The peak is
+then the largest phase, not the sum of the components. A component given back lays its plan out again at
+its next step (its resident units are uploaded again), so components keep their host copies
+(``DeviceStore.keep_packs``). A component that runs every step beside another (a ControlNet) stays laid
+out as long as both fit.
+
+Patterns name the component first (``transformer.blocks.*``, ``vae.decoder.up_blocks.*``); ``class:``
+patterns apply to every component that has such a module. A component no include pattern names gets
+its repeated blocks as units (:func:`default_unit_patterns`).
+
+Not done yet: one profile file for the whole pipeline (save each component's), and prefetching the next
+component's first units under the end of the previous one.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig
+from .errors import ConfigError, UnsupportedOperationError
+from .patterns import is_class_pattern
+
+logger = logging.getLogger("flextensor")
+
+__all__ = ["PipelineOffload", "components_of", "default_unit_patterns", "offload_pipeline", "pipeline_of"]
+
+_PIPELINE_ATTR = "_flextensor_pipeline"
+
+_REFUSED_METHODS = (
+    "enable_model_cpu_offload",
+    "enable_sequential_cpu_offload",
+    "enable_group_offload",
+)
+"""Pipeline methods that would move an offloaded pipeline's components behind flextensor's back."""
+
+
+def components_of(pipe: object) -> dict[str, nn.Module] | None:
+    """The ``nn.Module`` components of a diffusers pipeline (its ``components``) or of a mapping of names
+    to modules; None when ``pipe`` is neither (a model)."""
+    if isinstance(pipe, nn.Module):
+        return None
+    components = pipe if isinstance(pipe, Mapping) else getattr(pipe, "components", None)
+    if not isinstance(components, Mapping):
+        return None
+    return {name: m for name, m in components.items() if isinstance(m, nn.Module)}
+
+
+def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
+    """The repeated blocks of ``module``: the children of each outermost ``nn.ModuleList`` with at least
+    two children that hold parameters (a transformer's blocks, a text encoder's layers, a VAE's down and
+    up blocks); ``("*",)`` when it has none (see docs/patterns.md for what ``*`` selects)."""
+    found: list[str] = []
+    for path, child in module.named_modules():
+        if not path or not isinstance(child, nn.ModuleList):
+            continue
+        if any(path.startswith(outer + ".") for outer in found):
+            continue  # inside a block already found
+        blocks = [c for c in child.children() if next(c.parameters(), None) is not None]
+        if len(blocks) >= 2:
+            found.append(path)
+    return tuple(f"{path}.*" for path in found) or ("*",)
+
+
+def _split_patterns(patterns: tuple[str, ...], names: set[str], field: str) -> dict[str, list[str]]:
+    """Patterns by the component they name (``transformer.blocks.*`` -> transformer: ``blocks.*``);
+    class patterns under every component."""
+    by_component: dict[str, list[str]] = {name: [] for name in names}
+    for pattern in patterns:
+        if is_class_pattern(pattern):
+            for found in by_component.values():
+                found.append(pattern)
+            continue
+        head, _, rest = pattern.partition(".")
+        if head not in names or not rest:
+            raise ConfigError(
+                f"{field}: {pattern!r} names no component of the pipeline; start each pattern with a "
+                f"component's name ({', '.join(sorted(names))}), e.g. '{sorted(names)[0]}.blocks.*', "
+                "or use a class: pattern"
+            )
+        by_component[head].append(rest)
+    return by_component
+
+
+def _has_class(module: nn.Module, pattern: str) -> bool:
+    from .patterns import class_names
+
+    wanted = set(class_names(pattern))
+    return any(type(m).__name__ in wanted for m in module.modules())
+
+
+def component_configs(config: OffloadConfig, components: dict[str, nn.Module]) -> dict[str, OffloadConfig]:
+    """Each component's config: the pipeline's, with that component's patterns and entry methods."""
+    if config.profile is not None:
+        raise ConfigError(
+            "profile= names one model's profile; a pipeline has one per component: offload the pipeline "
+            "without it and save each component's with flextensor.save_profile(pipe.transformer, path)"
+        )
+    names = set(components)
+    default_include = "include_patterns" not in config.model_fields_set
+    include = (
+        {n: [] for n in names}
+        if default_include
+        else _split_patterns(config.include_patterns, names, "include_patterns")
+    )
+    exclude = _split_patterns(config.exclude_patterns, names, "exclude_patterns")
+    explicit_entries = "entry_methods" in config.model_fields_set
+    for method in config.entry_methods if explicit_entries else ():
+        if not any(callable(getattr(type(m), method, None)) for m in components.values()):
+            raise ConfigError(f"entry_methods names {method!r}, a method no component of the pipeline has")
+    configs = {}
+    for name, module in components.items():
+        own = [p for p in include[name] if not is_class_pattern(p) or _has_class(module, p)]
+        entries = tuple(m for m in config.entry_methods if callable(getattr(type(module), m, None)))
+        configs[name] = config.model_copy(
+            update={
+                "include_patterns": tuple(own) or default_unit_patterns(module),
+                "exclude_patterns": tuple(exclude[name]),
+                "entry_methods": entries,
+            }
+        )
+    return configs
+
+
+class PipelineOffload:
+    """The offloaded components of one pipeline and the budget they share (see the note above)."""
+
+    def __init__(self, pipe: object, components: dict[str, nn.Module], budget_bytes: int | None) -> None:
+        self.pipe = pipe
+        self.components = components
+        self.budget_bytes = budget_bytes
+        self._last_run: list[str] = []  # component names, least recently run first
+        self.vacated = 0  # times a component gave its device bytes back
+
+    def engine(self, name: str) -> Any:
+        from .api import engine_of
+
+        return engine_of(self.components[name])
+
+    def before_step(self, name: str) -> None:
+        """Component ``name`` begins a step: make room for it among the others."""
+        if name in self._last_run:
+            self._last_run.remove(name)
+        starting = self.engine(name)
+        limit = self.budget_bytes if self.budget_bytes is not None else starting.policy.memory_limit()
+        if limit is not None:
+            need = starting.planned_peak_bytes()
+            need = limit if need is None else need  # learning: its peak is not known yet
+            others = [(n, self.engine(n)) for n in self._last_run]
+            held = sum(e.store.device_bytes_held() for _, e in others)
+            for other_name, other in others:
+                if held + need <= limit:
+                    break
+                freed = other.vacate()
+                if freed:
+                    held -= freed
+                    self.vacated += 1
+                    logger.info("pipeline: %s gave back %d bytes for %s", other_name, freed, name)
+        self._last_run.append(name)
+
+    def phase(self) -> str:
+        """The least advanced phase of the components: ``inference`` once every one is steady."""
+        order = ("discovery", "profiling", "inference")
+        phases = [self.engine(n).phase.value for n in self.components]
+        return min(phases, key=order.index) if phases else "inference"
+
+
+def pipeline_of(pipe: object) -> PipelineOffload:
+    found = getattr(pipe, _PIPELINE_ATTR, None) if not isinstance(pipe, Mapping) else None
+    if found is None and isinstance(pipe, Mapping):
+        found = _MAPPINGS.get(id(pipe))
+    if found is None:
+        from .errors import NotOffloadedError
+
+        raise NotOffloadedError(
+            f"this {type(pipe).__name__} is not offloaded by flextensor; call flextensor.offload(pipe) first"
+        )
+    return found
+
+
+_MAPPINGS: dict[int, PipelineOffload] = {}
+"""Offloaded mappings of components (a dict cannot carry an attribute), by id, until released."""
+
+
+def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
+    """Offload every ``nn.Module`` component of ``pipe`` under one budget; returns ``pipe``. A failure
+    releases the components already offloaded, leaving the pipeline as it was."""
+    from .api import offload, release
+    from .device import resolve_target
+
+    if getattr(pipe, _PIPELINE_ATTR, None) is not None or id(pipe) in _MAPPINGS:
+        from .errors import AlreadyOffloadedError
+
+        raise AlreadyOffloadedError("this pipeline is already offloaded; call flextensor.release(pipe) first")
+    components = components_of(pipe)
+    assert components is not None
+    components = {n: m for n, m in components.items() if next(m.parameters(), None) is not None}
+    if not components:
+        raise ConfigError(f"this {type(pipe).__name__} has no module with parameters to offload")
+    configs = component_configs(config, components)
+    budget = resolve_target(config).budget_bytes
+    pipeline = PipelineOffload(pipe, components, budget)
+    done: list[tuple[nn.Module, torch.device]] = []
+    try:
+        for name, module in components.items():
+            device = next(module.parameters()).device
+            offload(module, configs[name])
+            done.append((module, device))
+    except BaseException:
+        for module, device in reversed(done):
+            release(module, device)
+        raise
+    this = weakref.ref(pipeline)
+    for name in components:
+        engine = pipeline.engine(name)
+        engine.store.keep_packs = True
+        engine.before_step = _before_step(this, name)
+    if isinstance(pipe, Mapping):
+        _MAPPINGS[id(pipe)] = pipeline
+    else:
+        setattr(pipe, _PIPELINE_ATTR, pipeline)
+        _guard_moves(pipe, pipeline)
+    logger.info("offloaded pipeline %s: %s", type(pipe).__name__, ", ".join(components))
+    return pipe
+
+
+def _before_step(pipeline: weakref.ref[PipelineOffload], name: str) -> Any:
+    def before_step(engine: Any) -> None:
+        target = pipeline()
+        if target is not None:
+            target.before_step(name)
+
+    return before_step
+
+
+def release_pipeline(pipe: Any, device: Any = None) -> Any:
+    from .api import release
+
+    pipeline = pipeline_of(pipe)
+    for module in pipeline.components.values():
+        release(module, device)
+    if isinstance(pipe, Mapping):
+        _MAPPINGS.pop(id(pipe), None)
+    else:
+        for name in ("to", *_REFUSED_METHODS):
+            pipe.__dict__.pop(name, None)
+        delattr(pipe, _PIPELINE_ATTR)
+    return pipe
+
+
+def _guard_moves(pipe: Any, pipeline: PipelineOffload) -> None:
+    """``pipe.to()`` runs through every component; one that refuses after others converted would leave a
+    half-converted pipeline. Check every component first: a no-op move goes through, a real one is
+    refused before anything changes. CPU-offload helpers of diffusers are refused outright."""
+    original_to = pipe.to
+
+    def to(*args: Any, **kwargs: Any) -> Any:
+        dtype, device = _move_target(args, kwargs)
+        for name, module in pipeline.components.items():
+            engine = pipeline.engine(name)
+            param = next(module.parameters())
+            if dtype is not None and dtype != param.dtype:
+                raise UnsupportedOperationError(
+                    f"pipe.to({dtype}) would convert the offloaded {name}, whose weights live in "
+                    "flextensor's host packs: nothing was converted; convert the pipeline before "
+                    "flextensor.offload(pipe), or flextensor.release(pipe) first"
+                )
+            if device is not None and not _same_device(torch.device(device), engine.runtime.device):
+                raise UnsupportedOperationError(
+                    f"pipe.to({str(device)!r}) would move the offloaded {name} off {engine.runtime.device}, "
+                    "where flextensor streams its weights: nothing was moved; call "
+                    "flextensor.release(pipe) first to move it"
+                )
+        return original_to(*args, **kwargs)
+
+    pipe.__dict__["to"] = to
+    for method in _REFUSED_METHODS:
+        if hasattr(pipe, method):
+            pipe.__dict__[method] = _refused(method)
+
+
+def _refused(method: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedOperationError(
+            f"pipe.{method}() on a pipeline flextensor offloads would move its components behind it; "
+            "flextensor already keeps the weights in host RAM and streams them, so drop the call (or "
+            "flextensor.release(pipe) first)"
+        )
+
+    return refuse
+
+
+def _same_device(requested: torch.device, actual: torch.device) -> bool:
+    return requested.type == actual.type and requested.index in (None, actual.index)
+
+
+def _move_target(args: tuple, kwargs: dict) -> tuple[torch.dtype | None, Any]:
+    """(dtype, device) of a ``pipe.to(...)`` call, each None when not given."""
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device")
+    for arg in args:
+        if isinstance(arg, torch.dtype):
+            dtype = arg
+        elif isinstance(arg, (str, torch.device, int)):
+            device = arg
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    return dtype, device

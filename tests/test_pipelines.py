@@ -1,0 +1,164 @@
+"""One offload() call for a whole diffusers pipeline: a tiny two-expert Wan2.2 text-to-video pipeline
+(UMT5 text encoder, two transformers, Wan VAE run through ``vae.decode``) on the CPU engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor
+from flextensor.errors import ConfigError, NotOffloadedError, SelectionError, UnsupportedOperationError
+from flextensor.host_store import pack_layout
+from flextensor.layout import minimal_arena_bytes
+from flextensor.pipelines import default_unit_patterns
+from flextensor.selection import select
+
+pytest.importorskip("diffusers")
+from real_models import run_wan_pipeline, tiny_wan_pipeline
+
+COMPONENTS = ("vae", "text_encoder", "transformer", "transformer_2")
+
+
+def modules_of(pipe) -> dict[str, nn.Module]:
+    return {name: getattr(pipe, name) for name in COMPONENTS}
+
+
+def tightest_budget(pipe) -> int:
+    """Two of the largest units in flight of the component that needs most: every unit of that
+    component streams, and no two components fit the budget together."""
+    needs = []
+    for module in modules_of(pipe).values():
+        selection = select(module, default_unit_patterns(module), ())
+        params = dict(module.named_parameters())
+        sizes = [
+            pack_layout([(n, params[n]) for n in selection.unit_parameters[u]])[1] for u in selection.units
+        ]
+        needs.append(2 * minimal_arena_bytes(sizes))
+    return max(needs)
+
+
+def offloaded_pipeline(**fields) -> object:
+    pipe = tiny_wan_pipeline()
+    fields.setdefault("gpu_memory_budget", tightest_budget(pipe))
+    flextensor.offload(pipe, flextensor.OffloadConfig(device="cpu", **fields))
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.Tensor:
+    with torch.no_grad():
+        return run_wan_pipeline(tiny_wan_pipeline())
+
+
+@torch.no_grad()
+def test_one_call_offloads_every_component_and_generations_are_bitwise(reference: torch.Tensor) -> None:
+    pipe = offloaded_pipeline()
+    for name, module in modules_of(pipe).items():
+        assert flextensor.offload_units(module), name  # every component is offloaded
+    outputs = [run_wan_pipeline(pipe) for _ in range(3)]
+    assert flextensor.phase(pipe) == "inference"
+    assert all(flextensor.phase(m) == "inference" for m in modules_of(pipe).values())
+    assert all(torch.equal(out, reference) for out in outputs)
+    # The VAE runs through vae.decode only, and has a plan like the others.
+    assert any(s.startswith("method=decode") for sig in flextensor.status(pipe.vae).plans for s in sig)
+    report = flextensor.report(pipe)
+    assert set(report.components) == set(COMPONENTS) and "== transformer_2" in str(report)
+
+
+@torch.no_grad()
+def test_components_share_one_budget_by_giving_memory_back_in_turn(reference: torch.Tensor) -> None:
+    pipe = offloaded_pipeline()
+    for _ in range(3):
+        run_wan_pipeline(pipe)
+    pipeline = pipe._flextensor_pipeline
+    before = pipeline.vacated
+    assert torch.equal(run_wan_pipeline(pipe), reference)
+    # Steady generations still hand the memory on: text encoder -> transformer -> transformer_2 -> VAE.
+    assert pipeline.vacated - before >= 3
+    budget = pipeline.budget_bytes
+    held = sum(flextensor.status(m).device_bytes_held for m in modules_of(pipe).values())
+    assert held <= budget, (held, budget)  # only the VAE, which ran last, holds device memory now
+
+
+@torch.no_grad()
+def test_pipe_to_a_dtype_is_refused_before_any_component_changes() -> None:
+    pipe = offloaded_pipeline()
+    dtypes = {n: next(m.parameters()).dtype for n, m in modules_of(pipe).items()}
+    with pytest.raises(UnsupportedOperationError, match="nothing was converted"):
+        pipe.to(torch.float16)
+    assert {n: next(m.parameters()).dtype for n, m in modules_of(pipe).items()} == dtypes
+    assert pipe.to("cpu") is pipe  # the device it streams to already: a no-op
+    with pytest.raises(UnsupportedOperationError, match="enable_model_cpu_offload"):
+        pipe.enable_model_cpu_offload()
+
+
+@torch.no_grad()
+def test_release_gives_back_a_plain_pipeline(reference: torch.Tensor) -> None:
+    pipe = offloaded_pipeline()
+    run_wan_pipeline(pipe)
+    flextensor.release(pipe)
+    with pytest.raises(NotOffloadedError):
+        flextensor.phase(pipe)
+    for module in modules_of(pipe).values():
+        with pytest.raises(NotOffloadedError):
+            flextensor.phase(module)
+    assert "to" not in pipe.__dict__
+    assert torch.equal(run_wan_pipeline(pipe), reference)
+
+
+def test_patterns_name_their_component_and_others_get_their_repeated_blocks() -> None:
+    pipe = offloaded_pipeline(include_patterns=["transformer.blocks.0"], gpu_memory_budget=None)
+    assert flextensor.offload_units(pipe.transformer) == ["blocks.0"]
+    assert flextensor.offload_units(pipe.transformer_2) == ["blocks.0", "blocks.1"]
+    assert flextensor.offload_units(pipe.text_encoder) == ["encoder.block.0", "encoder.block.1"]
+
+
+def test_a_pattern_without_a_component_name_is_refused() -> None:
+    pipe = tiny_wan_pipeline()
+    with pytest.raises(ConfigError, match="names no component"):
+        flextensor.offload(pipe, flextensor.OffloadConfig(device="cpu", include_patterns=["blocks.*"]))
+    assert not hasattr(pipe, "_flextensor_pipeline")
+
+
+def test_a_component_that_fails_releases_those_offloaded_before_it() -> None:
+    pipe = tiny_wan_pipeline()
+    before = {n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in modules_of(pipe).items()}
+    config = flextensor.OffloadConfig(device="cpu", include_patterns=["transformer_2.nothing.*"])
+    with pytest.warns(UserWarning), pytest.raises(SelectionError):
+        flextensor.offload(pipe, config)
+    for name, module in modules_of(pipe).items():
+        with pytest.raises(NotOffloadedError):
+            flextensor.phase(module)
+        after = module.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before[name].items()), name
+    assert not hasattr(pipe, "_flextensor_pipeline")
+
+
+def test_one_profile_for_a_pipeline_is_refused_with_what_to_do_instead(tmp_path) -> None:
+    pipe = offloaded_pipeline()
+    with torch.no_grad():
+        for _ in range(2):
+            run_wan_pipeline(pipe)
+    with pytest.raises(UnsupportedOperationError, match="save each component"):
+        flextensor.save_profile(pipe, tmp_path / "pipe.json")
+    flextensor.save_profile(pipe.transformer, tmp_path / "transformer.json")
+
+
+@torch.no_grad()
+def test_a_mapping_of_modules_is_a_pipeline() -> None:
+    torch.manual_seed(0)
+    parts = {
+        "first": nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))),
+        "second": nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))),
+    }
+    x = torch.randn(2, 8)
+    expected = parts["second"](parts["first"](x))
+    flextensor.offload(
+        parts, flextensor.OffloadConfig(device="cpu", include_patterns=["first.*", "second.*"])
+    )
+    outputs = [parts["second"](parts["first"](x)) for _ in range(3)]
+    assert all(torch.equal(out, expected) for out in outputs)
+    assert flextensor.phase(parts) == "inference"
+    flextensor.release(parts)
+    assert torch.equal(parts["second"](parts["first"](x)), expected)
