@@ -60,7 +60,9 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     once); then weights are prefetched on a side stream, and units resident in every plan made so far free
     their host copy (unless it is shared between processes).
     If anything fails here, the model is left exactly as it was. ``model`` may be compiled already
-    (``torch.compile(model)``, ``model.compile()``): see docs/compile.md.
+    (``torch.compile(model)``, ``model.compile()``): see docs/compile.md. ``model`` may also be a
+    diffusers pipeline or a mapping of names to modules: every component is offloaded under one budget
+    (see docs/pipelines.md); ``release``, ``phase`` and ``report`` take it too.
     """
     from .pipelines import components_of, offload_pipeline
 
