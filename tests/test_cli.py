@@ -180,6 +180,7 @@ def test_demo_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
         assert text in out
     assert "outputs bitwise equal" in out and "yes" in out
     assert "model.layers.1" in out  # the report table
+    assert "timings say nothing about a GPU" in " ".join(out.split())
 
 
 def test_run_demo_falls_back_to_an_mlp_stack(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,14 +46,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def offloaded_blocks() -> nn.Module:
+def offloaded_blocks(dtype: torch.dtype = torch.float32) -> nn.Module:
     """Every unit streams: two units in flight, room for the activations, none for a resident unit. The
     budget counts every tensor on the device, so what earlier tests left there is added."""
     gc.collect()
     torch.cuda.empty_cache()
-    model = Blocks()
+    model = Blocks().to(dtype)
     config = streaming_config(model, ["blocks.*"])
-    budget = torch.cuda.memory_allocated() + config.gpu_memory_budget + 6 * 2**20  # a unit is 8 MiB
+    unit_bytes = sum(p.nbytes for p in model.blocks[0].parameters())
+    # Room for the activations, less than one more unit: none can stay resident.
+    budget = torch.cuda.memory_allocated() + config.gpu_memory_budget + 3 * unit_bytes // 4
     update = {"device": "cuda", "gpu_memory_budget": budget}
     return flextensor.offload(model, config.model_copy(update=update))
 
@@ -114,6 +116,33 @@ def test_compiled_offloaded_model_on_cuda_matches_the_natively_compiled_one(mode
     if mode == "reduce-overhead":
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_whole_model_compile_in_bf16_on_cuda_is_bitwise_when_inductor_rounds_as_eager(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documented way to a bitwise whole-model compile (docs/compile.md, Known limits): with
+    ``emulate_precision_casts`` inductor rounds to bf16 where eager does, so the unit boundaries, which stop
+    it fusing across blocks, no longer change the bits."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
+    native = torch.compile(Blocks().to(torch.bfloat16).cuda(), mode=mode)
+    with torch.no_grad():
+        references = [native(inputs(i).bfloat16()).clone() for i in range(FORWARDS + 3)]
+    del native
+    torch._dynamo.reset()
+    model = offloaded_blocks(torch.bfloat16)
+    with torch.no_grad():
+        for i in range(FORWARDS):  # planned before the graphs are captured
+            model(inputs(i).bfloat16())
+    compiled = torch.compile(model, mode=mode)
+    with torch.no_grad():
+        outputs = [compiled(inputs(i).bfloat16()).clone() for i in range(FORWARDS + 3)]
+    assert all_streamed(model)
+    for i, (output, reference) in enumerate(zip(outputs, references, strict=True)):
+        assert torch.equal(output, reference), f"forward {i}: max diff {(output - reference).abs().max()}"
 
 
 def test_a_manual_cuda_graph_capture_replays_the_streaming_bitwise() -> None:

@@ -342,4 +342,12 @@ def format_demo(result: dict[str, Any]) -> RenderableType:
     else:
         equal = f"[red]no[/] (max |diff| {result['max_abs_diff']:.3g})"
     table.add_row("outputs bitwise equal", "", equal, "every offloaded forward vs native")
+    if result["device"] == "cpu":
+        # On a CPU the "device" is host memory: copies cost what the compute they hide under costs, and
+        # nothing runs concurrently. The run shows the mechanism works, not what it costs on a GPU.
+        table.caption = (
+            "On the CPU these timings say nothing about a GPU: host memory stands in for the device and "
+            "copies do not overlap compute. Run on a CUDA device (or see docs/benchmarks.md) for real costs."
+        )
+        table.caption_justify = "left"
     return Group(table, "", result["report"])
