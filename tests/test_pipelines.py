@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 import flextensor
-from flextensor.errors import ConfigError, NotOffloadedError, SelectionError, UnsupportedOperationError
+from flextensor.errors import (
+    ConfigError,
+    NotOffloadedError,
+    ProfileError,
+    SelectionError,
+    UnsupportedOperationError,
+)
 from flextensor.host_store import pack_layout
 from flextensor.layout import minimal_arena_bytes
 from flextensor.pipelines import default_unit_patterns
@@ -135,14 +141,76 @@ def test_a_component_that_fails_releases_those_offloaded_before_it() -> None:
     assert not hasattr(pipe, "_flextensor_pipeline")
 
 
-def test_one_profile_for_a_pipeline_is_refused_with_what_to_do_instead(tmp_path) -> None:
+def test_one_profile_file_restarts_every_component_in_steady_state(reference: torch.Tensor, tmp_path) -> None:
     pipe = offloaded_pipeline()
     with torch.no_grad():
         for _ in range(2):
             run_wan_pipeline(pipe)
-    with pytest.raises(UnsupportedOperationError, match="save each component"):
-        flextensor.save_profile(pipe, tmp_path / "pipe.json")
+    assert flextensor.phase(pipe) == "inference"
+    path = tmp_path / "wan.ftprofile.json"
+    flextensor.save_profile(pipe, path)
+    budget = tightest_budget(pipe)
+    flextensor.release(pipe)
+
+    again = offloaded_pipeline(gpu_memory_budget=budget, profile=str(path))
+    assert flextensor.phase(again) == "inference"  # before its first call: nothing to learn
+    for name, module in modules_of(again).items():
+        assert flextensor.status(module).plan is not None, name
+    with torch.no_grad():
+        outputs = [run_wan_pipeline(again) for _ in range(2)]
+    for output in outputs:
+        assert torch.equal(output, reference)
+    assert flextensor.phase(again) == "inference"
+
+
+def test_a_pipeline_profile_for_another_setup_is_refused_and_the_pipeline_left_as_it_was(tmp_path) -> None:
+    pipe = offloaded_pipeline()
+    with torch.no_grad():
+        for _ in range(2):
+            run_wan_pipeline(pipe)
+    path = tmp_path / "wan.ftprofile.json"
+    flextensor.save_profile(pipe, path)
+    flextensor.release(pipe)
+
+    other = tiny_wan_pipeline()
+    fewer = {name: getattr(other, name) for name in ("transformer", "transformer_2", "vae")}
+    with pytest.raises(ProfileError, match="components"):  # checked before any component is offloaded
+        flextensor.offload(fewer, flextensor.OffloadConfig(device="cpu", profile=str(path)))
+
+    weights = {n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in modules_of(other).items()}
+    config = flextensor.OffloadConfig(
+        device="cpu", include_patterns=["transformer.blocks.0"], profile=str(path)
+    )
+    with pytest.raises(ProfileError, match="patterns"):  # found once the transformer is offloaded
+        flextensor.offload(other, config)
+    with pytest.raises(NotOffloadedError):
+        flextensor.phase(other)
+    for name, module in modules_of(other).items():  # every component offloaded before was released
+        with pytest.raises(NotOffloadedError):
+            flextensor.status(module)
+        state = module.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in weights[name].items()), name
+
+
+def test_model_and_pipeline_profiles_are_not_taken_for_each_other(tmp_path) -> None:
+    pipe = offloaded_pipeline()
+    with torch.no_grad():
+        for _ in range(2):
+            run_wan_pipeline(pipe)
+    flextensor.save_profile(pipe, tmp_path / "pipe.json")
     flextensor.save_profile(pipe.transformer, tmp_path / "transformer.json")
+    flextensor.release(pipe)
+    with pytest.raises(ProfileError, match="one model's profile"):
+        offloaded_pipeline(profile=str(tmp_path / "transformer.json"))
+    model = tiny_wan_pipeline().transformer
+    with pytest.raises(ProfileError, match="whole pipeline's"):
+        flextensor.offload(model, flextensor.OffloadConfig(device="cpu", profile=str(tmp_path / "pipe.json")))
+
+
+def test_saving_a_pipeline_still_learning_says_which_components_must_run() -> None:
+    pipe = offloaded_pipeline()
+    with pytest.raises(NotOffloadedError, match="transformer"):
+        flextensor.save_profile(pipe, "never-written.json")
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from .bandwidth import probe_link
 from .config import OffloadConfig
 from .device import resolve_device, resolve_target
 from .engine import OffloadEngine
-from .errors import AlreadyOffloadedError, NotOffloadedError, UnsupportedOperationError
+from .errors import AlreadyOffloadedError, NotOffloadedError
 from .hooks import entry_method_names
 from .packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
 from .selection import select
@@ -185,16 +185,16 @@ def status(model: nn.Module) -> OffloadStatus:
 def save_profile(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """Save the measurements and plan of ``model`` (in steady state) so the next run starts there.
 
-    The write is atomic; a symbolic link at ``path`` is followed and its target replaced.
+    The write is atomic; a symbolic link at ``path`` is followed and its target replaced. Of a pipeline,
+    one file holds every component's; ``OffloadConfig(profile=path)`` given to the pipeline's offload
+    reloads them all.
     """
-    from .pipelines import components_of
+    from .pipelines import components_of, save_pipeline
 
-    if components_of(model) is not None:
-        raise UnsupportedOperationError(
-            "one profile file per pipeline is not supported yet: save each component's, e.g. "
-            "flextensor.save_profile(pipe.transformer, 'transformer.ftprofile.json'), and pass it as "
-            "profile= when offloading that component"
-        )
+    if components_of(model) is not None:  # one file for every component (pipeline_profile.py)
+        save_pipeline(model, path)
+        logger.info("saved the pipeline's profile to %s", path)
+        return
     from .profile_file import save_profile_file
     from .profile_reuse import snapshot_profile
 

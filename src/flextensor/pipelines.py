@@ -16,8 +16,10 @@ Patterns name the component first (``transformer.blocks.*``, ``vae.decoder.up_bl
 patterns apply to every component that has such a module. A component no include pattern names gets
 its repeated blocks as units (:func:`default_unit_patterns`).
 
-Not done yet: one profile file for the whole pipeline (save each component's), and prefetching the next
-component's first units under the end of the previous one.
+``save_profile(pipe, path)`` writes one file with every component's profile (see pipeline_profile.py);
+``OffloadConfig(profile=path)`` given to the pipeline's offload starts every component in steady state.
+
+Not done yet: prefetching the next component's first units under the end of the previous one.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig
-from .errors import ConfigError, UnsupportedOperationError
+from .errors import ConfigError, NotOffloadedError, UnsupportedOperationError
 from .patterns import is_class_pattern
 
 logger = logging.getLogger("flextensor")
@@ -104,11 +106,6 @@ def _has_class(module: nn.Module, pattern: str) -> bool:
 
 def component_configs(config: OffloadConfig, components: dict[str, nn.Module]) -> dict[str, OffloadConfig]:
     """Each component's config: the pipeline's, with that component's patterns and entry methods."""
-    if config.profile is not None:
-        raise ConfigError(
-            "profile= names one model's profile; a pipeline has one per component: offload the pipeline "
-            "without it and save each component's with flextensor.save_profile(pipe.transformer, path)"
-        )
     names = set(components)
     default_include = "include_patterns" not in config.model_fields_set
     include = (
@@ -130,6 +127,7 @@ def component_configs(config: OffloadConfig, components: dict[str, nn.Module]) -
                 "include_patterns": tuple(own) or default_unit_patterns(module),
                 "exclude_patterns": tuple(exclude[name]),
                 "entry_methods": entries,
+                "profile": None,  # the pipeline's file holds every component's: see offload_pipeline
             }
         )
     return configs
@@ -183,8 +181,6 @@ def pipeline_of(pipe: object) -> PipelineOffload:
     if found is None and isinstance(pipe, Mapping):
         found = _MAPPINGS.get(id(pipe))
     if found is None:
-        from .errors import NotOffloadedError
-
         raise NotOffloadedError(
             f"this {type(pipe).__name__} is not offloaded by flextensor; call flextensor.offload(pipe) first"
         )
@@ -212,6 +208,11 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
         raise ConfigError(f"this {type(pipe).__name__} has no module with parameters to offload")
     configs = component_configs(config, components)
     budget = resolve_target(config).budget_bytes
+    profiles = None
+    if config.profile is not None:  # read and matched to the components before anything changes
+        from .pipeline_profile import load_pipeline_profile
+
+        profiles = load_pipeline_profile(config.profile, set(components))
     pipeline = PipelineOffload(pipe, components, budget)
     done: list[tuple[nn.Module, torch.device]] = []
     try:
@@ -219,15 +220,16 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
             device = next(module.parameters()).device
             offload(module, configs[name])
             done.append((module, device))
+            pipeline.engine(name).store.keep_packs = True  # see the note: components lay out in turn
+        if profiles is not None:
+            _start_from_profiles(pipeline, profiles, str(config.profile))
     except BaseException:
         for module, device in reversed(done):
             release(module, device)
         raise
     this = weakref.ref(pipeline)
     for name in components:
-        engine = pipeline.engine(name)
-        engine.store.keep_packs = True
-        engine.before_step = _before_step(this, name)
+        pipeline.engine(name).before_step = _before_step(this, name)
     if isinstance(pipe, Mapping):
         _MAPPINGS[id(pipe)] = pipeline
     else:
@@ -235,6 +237,34 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
         _guard_moves(pipe, pipeline)
     logger.info("offloaded pipeline %s: %s", type(pipe).__name__, ", ".join(components))
     return pipe
+
+
+def _start_from_profiles(pipeline: PipelineOffload, profiles: dict[str, Any], source: str) -> None:
+    """Put every component in steady state from its saved profile. Each one's plan is laid out to check
+    it lands, then given back at once: components lay out in turn, at their first step (see the note)."""
+    from .profile_reuse import start_from_loaded_profile
+
+    for name, profile in profiles.items():
+        engine = pipeline.engine(name)
+        start_from_loaded_profile(engine, profile, f"{source}, component {name!r}")
+        engine.vacate()
+
+
+def save_pipeline(pipe: Any, path: Any) -> None:
+    """Save every component's profile in one file (``flextensor.save_profile(pipe, path)``)."""
+    from . import __version__
+    from .pipeline_profile import save_pipeline_profile
+    from .profile_reuse import snapshot_profile
+
+    pipeline = pipeline_of(pipe)
+    learning = [n for n in pipeline.components if pipeline.engine(n).current is None]
+    if learning:
+        raise NotOffloadedError(
+            f"nothing to save yet for {', '.join(learning)}: run the pipeline until "
+            "flextensor.phase(pipe) == 'inference' (every component has run twice), then save"
+        )
+    profiles = {name: snapshot_profile(pipeline.engine(name)) for name in pipeline.components}
+    save_pipeline_profile(profiles, path, __version__)
 
 
 def _before_step(pipeline: weakref.ref[PipelineOffload], name: str) -> Any:

@@ -55,6 +55,7 @@ from .measurements import Measurements
 from .plan import Plan
 
 __all__ = [
+    "PIPELINE_PROFILE_FORMAT",
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
     "Compatibility",
@@ -65,8 +66,10 @@ __all__ = [
     "load_profile_file",
     "profile_from_dict",
     "profile_to_dict",
+    "read_profile_json",
     "replan_reasons",
     "save_profile_file",
+    "write_profile_json",
 ]
 
 PROFILE_FORMAT = "flextensor-profile"
@@ -74,6 +77,9 @@ PROFILE_FORMAT = "flextensor-profile"
 
 PROFILE_VERSION = 1
 """The profile layout this flextensor writes and reads. Bump it when a change would mislead older readers."""
+
+PIPELINE_PROFILE_FORMAT = "flextensor-pipeline-profile"
+"""The ``format`` marker of a whole pipeline's profile: one per component (pipeline_profile.py)."""
 
 _REPROFILE = "delete it to re-profile"
 _OTHER_MODEL_FIX = "delete the profile or pass profile=None to re-profile"
@@ -257,6 +263,12 @@ def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
             f"{_REPROFILE}"
         )
     marker = data.get("format")
+    if marker == PIPELINE_PROFILE_FORMAT:
+        raise ProfileError(
+            f"profile {source} is a whole pipeline's (saved by flextensor.save_profile(pipe, ...)), not one "
+            "model's: give it to the pipeline's offload, flextensor.offload(pipe, "
+            "OffloadConfig(profile=...))"
+        )
     if marker != PROFILE_FORMAT:
         raise ProfileError(
             f"profile {source} is not a flextensor profile: its 'format' is {show(marker)}, expected "
@@ -391,6 +403,11 @@ def save_profile_file(profile: Profile, path: str | os.PathLike[str]) -> None:
     data = profile_to_dict(profile)
     # Read it back before writing: whatever is saved must load (a NaN or an inconsistent plan fails here).
     profile_from_dict(data, source=f"{path} (being saved)")
+    write_profile_json(data, path)
+
+
+def write_profile_json(data: dict[str, Any], path: str) -> None:
+    """Write validated profile JSON ``data`` to ``path`` atomically (see :func:`save_profile_file`)."""
     directory = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(directory):
         raise ProfileError(
@@ -405,6 +422,11 @@ def save_profile_file(profile: Profile, path: str | os.PathLike[str]) -> None:
 def load_profile_file(path: str | os.PathLike[str]) -> Profile:
     """Read and validate the profile at ``path``. Every failure is a ProfileError naming the path."""
     path = os.fspath(path)
+    return profile_from_dict(read_profile_json(path), source=path)
+
+
+def read_profile_json(path: str) -> Any:
+    """The parsed JSON at ``path``; a missing, unreadable or malformed file is a ProfileError."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -415,13 +437,12 @@ def load_profile_file(path: str | os.PathLike[str]) -> Profile:
     except OSError as e:
         raise ProfileError(f"profile {path} cannot be read: {e}") from e
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except (ValueError, RecursionError) as e:
         # ValueError covers JSONDecodeError and integers too long to parse.
         raise ProfileError(
             f"profile {path} is not valid JSON (truncated or hand-edited?): {e}; {_REPROFILE}"
         ) from None
-    return profile_from_dict(data, source=path)
 
 
 def _json_type(value: Any) -> str:

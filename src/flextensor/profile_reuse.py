@@ -34,14 +34,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["engine_fingerprint", "snapshot_profile", "start_from_profile"]
+__all__ = ["engine_fingerprint", "snapshot_profile", "start_from_loaded_profile", "start_from_profile"]
 
 
 def engine_fingerprint(engine: OffloadEngine, input_shapes: tuple[str, ...]) -> Fingerprint:
     """What a profile of ``engine`` made at ``input_shapes`` is for."""
     rank, world_size = distributed_place()
+    # A unit given back its device bytes (a pipeline's component between its steps) holds empty
+    # placeholders: its parameters' shapes are those of its pack.
+    packed = {fqn: entry.shape for unit in engine.units.values() for fqn, _, entry in unit.parameters}
     return Fingerprint(
-        parameters=parameter_signatures(engine.model),
+        parameters=tuple(
+            (fqn, packed.get(fqn, shape), dtype) for fqn, shape, dtype in parameter_signatures(engine.model)
+        ),
         include_patterns=tuple(engine.config.include_patterns),
         exclude_patterns=tuple(engine.config.exclude_patterns),
         device_name=engine.runtime.name(),
@@ -90,7 +95,12 @@ def start_from_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> N
             f"profile {source} does not exist; run without profile= once and save one with "
             "flextensor.save_profile(model, path)"
         )
-    profile = load_profile_file(source)
+    start_from_loaded_profile(engine, load_profile_file(source), source)
+
+
+def start_from_loaded_profile(engine: OffloadEngine, profile: Profile, source: str) -> None:
+    """:func:`start_from_profile` with the profile already read (a pipeline's file holds several);
+    ``source`` names it in messages."""
     saved = profile.fingerprint
     current = engine_fingerprint(engine, saved.input_shapes)
     compatibility = check_compatibility(saved, current, source=source)
@@ -103,7 +113,7 @@ def start_from_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> N
         warnings.warn(
             f"profile {source} was made on another setup ({reasons}); re-planning from its measurements",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         if engine.link is not None:
             measurements = dataclasses.replace(measurements, link=engine.link)
