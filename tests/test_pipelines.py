@@ -230,3 +230,12 @@ def test_a_mapping_of_modules_is_a_pipeline() -> None:
     assert flextensor.phase(parts) == "inference"
     flextensor.release(parts)
     assert torch.equal(parts["second"](parts["first"](x)), expected)
+
+
+@torch.no_grad()
+def test_a_pipeline_that_ran_before_is_offloaded(reference: torch.Tensor) -> None:
+    # A run leaves an empty diffusers hook registry on the transformers (their cache_context): no hook.
+    pipe = tiny_wan_pipeline()
+    assert torch.equal(run_wan_pipeline(pipe), reference)
+    flextensor.offload(pipe, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=tightest_budget(pipe)))
+    assert torch.equal(run_wan_pipeline(pipe), reference)

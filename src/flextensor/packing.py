@@ -47,7 +47,8 @@ def check_offloadable(model: object) -> None:
                 "which move weights on their own; remove them first with "
                 "accelerate.hooks.remove_hook_from_module(model, recurse=True) and load the weights"
             )
-        if hasattr(module, "_diffusers_hook"):
+        # Any run of a diffusers pipeline leaves an empty hook registry (its cache_context): no hook.
+        if getattr(getattr(module, "_diffusers_hook", None), "hooks", None):
             raise UnsupportedModelError(
                 f"module {path or '<root>'} carries diffusers hooks (group offloading, layerwise casting); "
                 "remove them first (e.g. pipe.remove_all_hooks() or reload the model)"

@@ -1,0 +1,115 @@
+"""The pipeline examples (examples/*.py) run with ``--random-weights --tiny`` on the CPU, each in a
+process of its own as a user runs it: every component offloaded under the tightest budget, the mp4
+written, and the frames bitwise equal to the pipeline's own without flextensor
+(``--compare-native``). The three run at the same time to stay well under a minute on 2 cores."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flextensor.host_store import pack_layout
+from flextensor.layout import minimal_arena_bytes
+from flextensor.pipelines import components_of, default_unit_patterns
+from flextensor.selection import select
+
+pytest.importorskip("diffusers")
+pytest.importorskip("imageio_ffmpeg", reason="writing an mp4 needs imageio-ffmpeg (pip install -e '.[test]')")
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+sys.path.insert(0, str(EXAMPLES))  # the examples import their shared module as scripts do
+
+NAMES = ("wan2_2_t2v", "ltx2", "cosmos")
+
+
+def torchvision_missing() -> str | None:
+    """diffusers' Cosmos models resize their padding mask with torchvision; None when it imports."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # a wheel built for another torch fails with more than ImportError
+        return f"diffusers' Cosmos models need torchvision matching this torch ({error})"
+    return None
+
+
+def tightest_budget(name: str) -> int:
+    """Two of the largest units in flight of the component that needs most: every unit of that
+    component streams, and no two components fit together (tests/test_pipelines.py's bound, for any
+    pipeline)."""
+    example = importlib.import_module(name).EXAMPLE
+    from example_common import parse_args
+
+    pipe = example.build_tiny(parse_args(example, ["--random-weights", "--tiny"]))
+    needs = []
+    for module in components_of(pipe).values():
+        params = dict(module.named_parameters())
+        if not params:
+            continue
+        selection = select(module, default_unit_patterns(module), ())
+        sizes = [
+            pack_layout([(n, params[n]) for n in selection.unit_parameters[u]])[1] for u in selection.units
+        ]
+        needs.append(2 * minimal_arena_bytes(sizes))
+    return max(needs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    out = tmp_path_factory.mktemp("examples")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"  # three at once on two cores
+    procs = {}
+    for name in NAMES:
+        if name == "cosmos" and torchvision_missing():
+            continue
+        video = out / f"{name}.mp4"
+        cmd = [sys.executable, str(EXAMPLES / f"{name}.py"), "--random-weights", "--tiny", "--device", "cpu"]
+        cmd += ["--compare-native", "--budget", str(tightest_budget(name)), "--output", str(video)]
+        procs[name] = (subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True), video)  # fmt: skip
+    results = {}
+    for name, (proc, video) in procs.items():
+        stdout, _ = proc.communicate(timeout=240)
+        results[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout), video)
+    return results
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_writes_its_video_and_matches_native_bitwise(name: str, runs) -> None:
+    if name == "cosmos" and (reason := torchvision_missing()):
+        pytest.skip(reason)
+    done, video = runs[name]
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "outputs match native: bitwise" in done.stdout, done.stdout[-4000:]
+    assert "(inference)" in done.stdout  # the compared generation ran every component's plan
+    import imageio_ffmpeg
+
+    frames, _ = imageio_ffmpeg.count_frames_and_secs(str(video))
+    assert f"wrote {video} ({frames} frames)" in done.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_help_names_its_options(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    example = importlib.import_module(name).EXAMPLE
+    from example_common import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(example, ["--help"])
+    assert exit_info.value.code == 0
+    usage = capsys.readouterr().out
+    for option in ("--model-id", "--random-weights", "--tiny", "--budget", "--steps", "--frames",
+                   "--compare-native", "--output"):  # fmt: skip
+        assert option in usage, option
+
+
+def test_example_refuses_random_weights_without_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    from example_common import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(importlib.import_module("wan2_2_t2v").EXAMPLE, ["--random-weights"])
+    assert exit_info.value.code == 2 and "add --tiny" in capsys.readouterr().err
