@@ -58,11 +58,16 @@ def tightest_budget(name: str) -> int:
     return max(needs)
 
 
+def example_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"  # three at once on two cores
+    return env
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     out = tmp_path_factory.mktemp("examples")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
-    env["OMP_NUM_THREADS"] = "1"  # three at once on two cores
+    env = example_env()
     procs = {}
     for name in NAMES:
         if name == "cosmos" and torchvision_missing():
@@ -70,6 +75,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
         video = out / f"{name}.mp4"
         cmd = [sys.executable, str(EXAMPLES / f"{name}.py"), "--random-weights", "--tiny", "--device", "cpu"]
         cmd += ["--compare-native", "--budget", str(tightest_budget(name)), "--output", str(video)]
+        cmd += ["--profile", str(out / f"{name}.ftprofile.json")]  # written after the run
         procs[name] = (subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True), video)  # fmt: skip
     results = {}
@@ -91,6 +97,17 @@ def test_example_writes_its_video_and_matches_native_bitwise(name: str, runs) ->
 
     frames, _ = imageio_ffmpeg.count_frames_and_secs(str(video))
     assert f"wrote {video} ({frames} frames)" in done.stdout
+
+
+def test_a_saved_profile_starts_the_example_in_steady_state(runs) -> None:
+    done, video = runs["wan2_2_t2v"]
+    profile = video.parent / "wan2_2_t2v.ftprofile.json"
+    assert done.returncode == 0 and f"profile saved to {profile}" in done.stdout, done.stdout[-4000:]
+    cmd = [*done.args[:-4], "--output", str(video.with_suffix(".again.mp4")), "--profile", str(profile)]
+    again = subprocess.run(cmd, env=example_env(), capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert "phase inference" in again.stdout and "warm-up" not in again.stdout, again.stdout
+    assert "outputs match native: bitwise" in again.stdout
 
 
 @pytest.mark.parametrize("name", NAMES)
