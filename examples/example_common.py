@@ -132,6 +132,9 @@ def main(example: Example, argv: list[str] | None = None) -> int:
     while flextensor.phase(pipe) != "inference" and warmups < MAX_WARMUPS:
         warmups += 1  # every component learns its plan in its first calls (none with a saved profile)
         timed_generation(example, pipe, args, f"flextensor warm-up {warmups} ({flextensor.phase(pipe)})")
+    learning = [n for n, m in modules(pipe).items() if flextensor.phase(m) != "inference"]
+    if learning:  # a component the pipeline never calls never leaves discovery
+        print(f"still learning after {warmups} warm-ups: {', '.join(learning)}")
     ours = None
     for run in range(args.runs):
         ours = timed_generation(example, pipe, args, f"flextensor run {run + 1} ({flextensor.phase(pipe)})")
@@ -232,7 +235,7 @@ def gib(nbytes: int) -> str:
 
 def memory_text(result: Generation) -> str:
     device = "n/a on CPU" if result.device_peak_bytes is None else gib(result.device_peak_bytes)
-    return f"{device} allocated on the device, host RSS {gib(result.host_rss_peak_bytes)}"
+    return f"{device} allocated on the device, host RSS max so far {gib(result.host_rss_peak_bytes)}"
 
 
 def word_tokenizer(words: list[str], chat_template: str | None = None) -> Any:
