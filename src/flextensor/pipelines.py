@@ -157,7 +157,10 @@ class PipelineOffload:
         if limit is not None:
             need = starting.planned_peak_bytes()
             need = limit if need is None else need  # learning: its peak is not known yet
-            others = [(n, self.engine(n)) for n in self._last_run]
+            # Components that never ran first (they hold their learning layout from offload() on), then
+            # the least recently run.
+            never_ran = [n for n in self.components if n not in self._last_run and n != name]
+            others = [(n, self.engine(n)) for n in (*never_ran, *self._last_run)]
             held = sum(e.store.device_bytes_held() for _, e in others)
             for other_name, other in others:
                 if held + need <= limit:
@@ -223,6 +226,8 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
             pipeline.engine(name).store.keep_packs = True  # see the note: components lay out in turn
         if profiles is not None:
             _start_from_profiles(pipeline, profiles, str(config.profile))
+        for name in components:  # each lays out at its first step: the peak is one phase's, not the sum
+            pipeline.engine(name).vacate()
     except BaseException:
         for module, device in reversed(done):
             release(module, device)
@@ -246,6 +251,7 @@ def _start_from_profiles(pipeline: PipelineOffload, profiles: dict[str, Any], so
 
     for name, profile in profiles.items():
         engine = pipeline.engine(name)
+        engine.vacate()  # its learning layout, before the plan's is made
         start_from_loaded_profile(engine, profile, f"{source}, component {name!r}")
         engine.vacate()
 
