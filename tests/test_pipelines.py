@@ -34,7 +34,8 @@ def tightest_budget(pipe) -> int:
     """Two of the largest units in flight of the component that needs most: every unit of that
     component streams, and no two components fit the budget together."""
     needs = []
-    for module in modules_of(pipe).values():
+    modules = pipe.values() if isinstance(pipe, dict) else modules_of(pipe).values()
+    for module in modules:
         selection = select(module, default_unit_patterns(module), ())
         params = dict(module.named_parameters())
         sizes = [
@@ -266,4 +267,39 @@ def test_a_component_given_back_before_it_ever_ran_still_discovers_first() -> No
         assert torch.equal(out, expected)
     # Its first call discovered (then it profiles): a layout given back must not skip discovery.
     assert phases[0] == "profiling" and phases[-1] == "inference", phases
+    flextensor.release(parts)
+
+
+class EmbeddingThenBlocks(nn.Module):
+    """A text encoder's shape: a token embedding over a large vocabulary, then small repeated layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(512, 128)  # four layers' worth of weights
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@torch.no_grad()
+def test_a_large_module_outside_the_blocks_streams_as_a_unit_of_its_own() -> None:
+    """Outside the repeated blocks, a module holding more weights than the largest block (a token
+    embedding over a large vocabulary) is a unit too, instead of staying on the device for good."""
+    torch.manual_seed(0)
+    encoder = EmbeddingThenBlocks().eval()
+    assert default_unit_patterns(encoder) == ("layers.*", "embed")
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = encoder(ids)
+    parts = {"text_encoder": encoder}
+    budget = tightest_budget(parts)
+    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=budget))
+    for _ in range(4):
+        assert torch.equal(encoder(ids), expected)
+    status = flextensor.status(encoder)
+    assert status.phase == "inference" and status.streamed  # under the tightest budget
+    assert "embed" in flextensor.offload_units(encoder)
     flextensor.release(parts)
