@@ -18,7 +18,15 @@ A method is named by a spec, ``name[:arg][/key=value...]``:
                                 of the model on the device: reaches ``model.layers`` of a transformers
                                 LLM, which plain block_level misses (its ``lm_head`` stays resident)
 ``accelerate``                  accelerate ``cpu_offload`` (execution device = the run's device)
+``diffusers_model_offload``     a pipeline's ``enable_model_cpu_offload()``: each component moved whole
+                                to the device when it runs
 ==============================  ====================================================================
+
+On a whole pipeline (``wan22_pipeline``) each method is applied as its library documents for one:
+``ours`` offloads the pipeline in one call (each component's repeated blocks), ``diffusers_group`` is
+the pipeline's ``enable_group_offload`` (block level, streams), flextensor 0.5.0 offloads the two
+transformers (one manager each) with the rest on the device, as its Wan2.2 example does; ``accelerate``
+is not run there.
 
 Options after ``/`` override the runner's settings for that method only: ``timeout`` (s),
 ``min_steps``, ``max_steps``, ``step_budget`` (s of timed steps), ``max_warmup`` (forwards). One more
@@ -26,7 +34,8 @@ changes the method itself and so its label: ``compile=regional`` (each offload u
 on its own with ``module.compile()``, as diffusers' ``compile_repeated_blocks``; flextensor 0.5.0 gets
 ``compile_fn=torch.compile``), ``compile=whole`` (``torch.compile(model)``), ``compile=graphs``
 (``torch.compile(model, mode="reduce-overhead")``: CUDA graphs). ``native/compile=regional`` is the
-native compiled reference for ``ours/compile=regional``.
+native compiled reference for ``ours/compile=regional``. ``cap=24GiB`` runs that method under a GPU
+memory cap of its own (``set_per_process_memory_fraction``), in place of the workload's.
 
 Each method's setup runs inside its own worker process (``benchmarks.worker``); this module only
 defines what "set up" means and how the method reports its phase and streamed bytes.
@@ -57,9 +66,10 @@ METHOD_NAMES = (
     "flextensor050_frac",
     "flextensor050_budget",
     "diffusers_group",
+    "diffusers_model_offload",
     "accelerate",
 )
-OPTION_KEYS = ("timeout", "min_steps", "max_steps", "step_budget", "max_warmup", "compile")
+OPTION_KEYS = ("timeout", "min_steps", "max_steps", "step_budget", "max_warmup", "compile", "cap")
 COMPILE_MODES = ("regional", "whole", "graphs")
 PEER_VERSION = "0.5.0"
 
@@ -79,12 +89,15 @@ class MethodSpec:
     def label(self) -> str:
         """The spec without runner options (``compile`` kept): the name used in tables and plots."""
         label = self.name if self.arg is None else f"{self.name}:{self.arg}"
-        compile_mode = self.options.get("compile")
-        return label if compile_mode is None else f"{label}/compile={compile_mode}"
+        for key in ("compile", "cap"):  # these change what runs, not how long it is timed
+            if key in self.options:
+                label += f"/{key}={self.options[key]}"
+        return label
 
     @property
     def family(self) -> str:
-        """``native`` / ``ours`` / ``flextensor050`` / ``diffusers_group`` / ``accelerate``."""
+        """``native`` / ``ours`` / ``flextensor050`` / ``diffusers_group`` / ``diffusers_model_offload`` /
+        ``accelerate``."""
         return self.name.split("_budget")[0].split("_frac")[0].removesuffix("_ref")
 
     def option(self, key: str, default: float) -> float:
@@ -138,6 +151,13 @@ def unsupported_reason(ms: MethodSpec, w: Workload, device: str) -> str | None:
         return "flextensor 0.5.0 compiles per unit only (compile_fn)"
     if ms.name == "native_ref" and (w.memory_cap_bytes is None or not cuda):
         return "no memory cap on this run: plain native is the reference"
+    pipeline = w.kind == "wan_pipeline"
+    if ms.family == "diffusers_model_offload" and not pipeline:
+        return "enable_model_cpu_offload is a pipeline's method"
+    if ms.family == "accelerate" and pipeline:
+        return "accelerate's cpu_offload is benchmarked on single models"
+    if pipeline and compile_mode is not None:
+        return "whole pipelines are benchmarked uncompiled"
     return None
 
 
@@ -276,6 +296,10 @@ def _prepare_uncompiled(
 
     total = sum(nbytes.values())
     cuda = device.startswith("cuda")
+    if w.kind == "wan_pipeline" and ms.family != "native":
+        from .pipeline_methods import prepare_pipeline
+
+        return prepare_pipeline(ms, model, device, nbytes, peer_path)
     if ms.family == "native":
         model.to(device)
         return Prepared(model, _no_phase, 1, lambda: (0, "none: weights stay on the device"))

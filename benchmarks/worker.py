@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .methods import SkipMethod, parse_method, prepare, unsupported_reason
+from .methods import SkipMethod, parse_bytes, parse_method, prepare, unsupported_reason
 from .workloads import build_empty, get_workload, load_weights, make_inputs, param_nbytes, run_step
 
 
@@ -240,6 +240,8 @@ def _run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
     cap = w.memory_cap_bytes if cuda and ms.name != "native_ref" else None
+    if cuda and "cap" in ms.options:
+        cap = parse_bytes(ms.options["cap"])
     if cuda:
         gpu = torch.device(device)
         if gpu.index is None:  # set_per_process_memory_fraction needs an index
@@ -301,6 +303,7 @@ def _run(args: argparse.Namespace) -> None:
             max_steps = int(ms.option("max_steps", args.max_steps))
             budget = ms.option("step_budget", args.step_budget)
             times: list[float] = []
+            phases: list[dict[str, Any]] = []  # a pipeline's per-phase times and peaks, each timed step
             first: torch.Tensor | None = None
             repeatable = True
             while len(times) < min_steps or (len(times) < max_steps and sum(times) < budget):
@@ -309,17 +312,25 @@ def _run(args: argparse.Namespace) -> None:
                 out = run_step(prep.model, w, inputs)
                 _sync(device)
                 times.append(time.perf_counter() - t)
+                timer = getattr(model, "timer", None)
+                if timer is not None:
+                    phases.append(timer.last_step)
+                    rec.save(phase_steps=phases)
                 if first is None:
                     first = out.clone()  # a CUDA graph's next replay overwrites its outputs
                 else:
                     repeatable = repeatable and torch.equal(first, out)
                 rec.save(step_times_s=[round(x, 6) for x in times])
             median = statistics.median(times)
+            # A pipeline's phase timer resets the peak at each phase: the step's peak is the largest.
+            phase_peaks = [p for step in phases for p in step["phase_peak_allocated_bytes"].values()]
             rec.save(
                 steps=len(times),
                 step_s=round(median, 6),
                 repeatable=repeatable,
-                gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                gpu_peak_allocated_bytes=(
+                    max([torch.cuda.max_memory_allocated(), *phase_peaks]) if cuda else None
+                ),
                 gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
                 gpu_allocated_steady_bytes=torch.cuda.memory_allocated() if cuda else None,
                 host_rss_steady_bytes=_rss_now(),

@@ -32,7 +32,7 @@ GIB = 1 << 30
 # Bump when the weight recipe changes: it is part of the cache key, so old caches stop matching.
 GEN_VERSION = 1
 
-Kind = Literal["wan", "llama_prefill", "llama_decode"]
+Kind = Literal["wan", "llama_prefill", "llama_decode", "wan_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,29 @@ _DECODE_METHODS = (
     "accelerate",
 )
 
+# Whole pipelines: the peers applied the way each documents for a pipeline (see methods.py).
+_PIPELINE_METHODS = (
+    "native",
+    "ours_budget:8GiB",
+    "ours/cap=24GiB",
+    "diffusers_model_offload",
+    "diffusers_group",
+    "flextensor050",
+)
+
+
+def _wan22_pipeline_kwargs(tiny: bool) -> dict[str, Any]:
+    from .pipeline_workload import UMT5_TINY, UMT5_XXL, WAN_VAE, WAN_VAE_TINY
+
+    return {
+        "transformer": WAN_TINY if tiny else {**WAN_A14B, "num_layers": 40},
+        "text_encoder": UMT5_TINY if tiny else UMT5_XXL,
+        "vae": WAN_VAE_TINY if tiny else WAN_VAE,
+        "boundary_ratio": 0.875,  # Wan2.2-T2V-A14B's switch to the low-noise expert
+        "shift": 12.0,  # its sampling shift: with 4 steps, timesteps 1000, 960 | 857, 12: two per expert
+    }
+
+
 # Tiny smoke workloads: every method that has a CPU path (flextensor 0.5.0 is recorded as skipped there).
 _TINY_METHODS = ("native", "ours", "ours_budget:256KiB", "diffusers_group", "accelerate", "flextensor050")
 
@@ -225,6 +248,19 @@ WORKLOADS: dict[str, Workload] = {
                 "accelerate",
             ),
         ),
+        Workload(
+            name="wan22_pipeline",
+            kind="wan_pipeline",
+            model_kwargs=_wan22_pipeline_kwargs(tiny=False),
+            unit="",  # a pipeline's own default units: each component's repeated blocks
+            shape={"height": 480, "width": 832, "num_frames": 81, "steps": 4, "guidance": 4.0,
+                   "guidance_2": 3.0, "text_len": 512},
+            description="Wan2.2-T2V-A14B pipeline at its real config (two 40-block experts, UMT5-XXL, Wan "
+            "VAE; 69 GB bf16), one generation of 81 frames at 832x480, guidance on, 4 steps (2 per "
+            "expert), VAE decode",
+            methods=_PIPELINE_METHODS,
+            extra={"cache": False},  # 69 GB: generated on the GPU each run, never written to disk
+        ),
         # Tiny variants: same classes and code paths, a few MB, for the CPU smoke test.
         Workload(
             name="wan_tiny",
@@ -266,6 +302,18 @@ WORKLOADS: dict[str, Workload] = {
             methods=("native", "ours", "ours/compile=whole"),
             tiny=True,
         ),
+        Workload(
+            name="wan22_pipeline_tiny",
+            kind="wan_pipeline",
+            model_kwargs=_wan22_pipeline_kwargs(tiny=True),
+            unit="",
+            shape={"height": 16, "width": 16, "num_frames": 1, "steps": 4, "guidance": 4.0,
+                   "guidance_2": 3.0, "text_len": 8},
+            description="tiny two-expert Wan2.2 pipeline, CPU smoke",
+            methods=("native", "ours", "ours_budget:600KiB", "diffusers_group", "diffusers_model_offload"),
+            tiny=True,
+            extra={"cache": False},
+        ),
     )
 }
 
@@ -295,6 +343,10 @@ def build_empty(w: Workload) -> nn.Module:
     """
     from accelerate import init_empty_weights
 
+    if w.kind == "wan_pipeline":
+        from .pipeline_workload import build_pipeline
+
+        return build_pipeline(dict(w.model_kwargs), w.tiny)
     with init_empty_weights(include_buffers=False):
         if w.kind == "wan":
             from diffusers import WanTransformer3DModel
@@ -347,7 +399,7 @@ def cache_path(w: Workload, generated_on: str) -> Path | None:
     root = cache_dir()
     if root is None:
         return None
-    family = "wan" if w.kind == "wan" else "llama"
+    family = {"wan": "wan", "wan_pipeline": "wan_pipeline"}.get(w.kind, "llama")
     key = {
         "family": family,
         "model": dict(w.model_kwargs),
@@ -368,7 +420,7 @@ def load_weights(w: Workload, model: nn.Module, device: str) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
 
     gen_device = torch.device(device if device.startswith("cuda") else "cpu")
-    path = cache_path(w, gen_device.type)
+    path = cache_path(w, gen_device.type) if w.extra.get("cache", True) else None
     info: dict[str, Any] = {"cache_path": str(path) if path else None, "generated_on": gen_device.type}
     t0 = time.perf_counter()
     if path is not None and path.exists():
@@ -417,6 +469,10 @@ def make_inputs(w: Workload, device: str) -> dict[str, Any]:
     cache of the decode workloads is drawn on the device (17 GB at batch 32)."""
     import torch
 
+    if w.kind == "wan_pipeline":
+        from .pipeline_workload import pipeline_inputs
+
+        return pipeline_inputs(dict(w.shape))
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(1234 + w.seed)
     s = w.shape
@@ -503,6 +559,8 @@ def _rewind_cache(cache: Any, length: int, static: bool) -> None:
 def run_step(model: Any, w: Workload, inputs: dict[str, Any]) -> torch.Tensor:
     """One forward; returns the tensor every method's output is compared on."""
     out = model(**inputs)
+    if w.kind == "wan_pipeline":
+        return out  # the decoded frames
     if w.kind == "wan":
         return out[0]
     if w.kind == "llama_decode":

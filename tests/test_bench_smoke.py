@@ -185,3 +185,27 @@ def test_method_specs_and_sizes_parse() -> None:
     for bad in ("nope", "ours_budget", "ours/steps=3", "ours/compile=fast"):
         with pytest.raises(ValueError):
             parse_method(bad)
+
+
+def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path: Path) -> None:
+    """``wan22_pipeline``'s tiny twin through the same worker path: one generation a step, per-phase times
+    and calls recorded, every method's frames bitwise native's."""
+    methods = "native,ours_budget:600KiB,diffusers_group,diffusers_model_offload,accelerate"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--workload", "wan22_pipeline_tiny", "--methods", methods]
+    cmd += ["--device", "cpu", "--out", str(tmp_path), "--threads", "1"]
+    cmd += ["--min-steps", "2", "--max-steps", "2"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT_FILE="))
+    runs = {r["method_spec"]: r for r in json.loads(Path(line.split("=", 1)[1]).read_text())["runs"]}
+    assert runs["accelerate"]["status"] == "skipped"  # benchmarked on single models only
+    del runs["accelerate"]
+    for spec, r in runs.items():
+        assert r["status"] == "ok", f"{spec}: {r.get('reason')}"
+        assert r["output_match"] in ("reference", "bitwise"), f"{spec}: {r.get('max_abs_diff')}"
+        last = r["phase_steps"][-1]
+        # Guidance doubles each expert's forwards; the sampling shift puts two of the four steps on each.
+        assert last["phase_calls"] == {"encode": 2, "transformer": 4, "transformer_2": 4, "decode": 1}
+        assert set(last["phase_s"]) == {"encode", "transformer", "transformer_2", "decode"}
+    ours = runs["ours_budget:600KiB"]
+    assert ours["phase"] == "inference" and ours["bytes_streamed_per_step"] > 0

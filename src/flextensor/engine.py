@@ -120,10 +120,13 @@ class OffloadEngine:
 
     def start(self) -> None:
         """Lay every unit out for discovery and hook the model (``offload()`` calls this once)."""
-        units = list(self.units.values())
-        self._lay_out(units, (), provisional_arena_bytes([u.nbytes for u in units]))
+        self._lay_out_to_discover()
         self.hooks.attach()
         self._enter(Phase.DISCOVERY)
+
+    def _lay_out_to_discover(self) -> None:
+        units = list(self.units.values())
+        self._lay_out(units, (), provisional_arena_bytes([u.nbytes for u in units]))
 
     def _enter(self, phase: Phase) -> None:
         """Change phase and hook exactly the units that need hooks in it: all of them while learning, the
@@ -164,6 +167,8 @@ class OffloadEngine:
         if self.phase is Phase.INFERENCE:
             if signature != self.signature or not self.laid_out:
                 self._switch_to(signature)
+        elif not self.laid_out and self.phase is Phase.DISCOVERY:
+            self._lay_out_to_discover()  # given back before it ran (a pipeline's component): still to learn
         elif not self.laid_out:
             self._lay_out_to_profile()
         if self.phase is not Phase.INFERENCE:
@@ -468,6 +473,8 @@ class OffloadEngine:
         """Give units device bytes again after a layout was lost, for a unit called outside a forward."""
         if self.current is not None:
             self._apply(self.current)
+        elif self.phase is Phase.DISCOVERY:
+            self._lay_out_to_discover()
         else:
             self._lay_out_to_profile()
 

@@ -38,7 +38,13 @@ from .patterns import is_class_pattern
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["PipelineOffload", "components_of", "default_unit_patterns", "offload_pipeline", "pipeline_of"]
+__all__ = [
+    "PipelineOffload",
+    "components_of",
+    "default_unit_patterns",
+    "offload_pipeline",
+    "pipeline_of",
+]
 
 _PIPELINE_ATTR = "_flextensor_pipeline"
 
@@ -64,8 +70,13 @@ def components_of(pipe: object) -> dict[str, nn.Module] | None:
 def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
     """The repeated blocks of ``module``: the children of each outermost ``nn.ModuleList`` with at least
     two children that hold parameters (a transformer's blocks, a text encoder's layers, a VAE's down and
-    up blocks); ``("*",)`` when it has none (see docs/patterns.md for what ``*`` selects)."""
+    up blocks); ``("*",)`` when it has none (see docs/patterns.md for what ``*`` selects).
+
+    A module outside the blocks that holds more weights itself than the largest block is a unit too: a
+    text encoder's token embedding (UMT5-XXL's is 2.1 GB, a layer 0.39 GB) would otherwise stay on the
+    device through every other component's phase."""
     found: list[str] = []
+    largest_block = 0
     for path, child in module.named_modules():
         if not path or not isinstance(child, nn.ModuleList):
             continue
@@ -74,7 +85,25 @@ def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
         blocks = [c for c in child.children() if next(c.parameters(), None) is not None]
         if len(blocks) >= 2:
             found.append(path)
-    return tuple(f"{path}.*" for path in found) or ("*",)
+            largest_block = max(largest_block, *(_nbytes(b.parameters()) for b in blocks))
+    if not found:
+        return ("*",)
+    # Weights tied between modules (UMT5's `shared` and `encoder.embed_tokens`) count once, under the
+    # deepest module holding them: the holder on top is kept for the tie, the nested one is what runs.
+    large: dict[int, str] = {}
+    for path, child in module.named_modules():
+        if not path or any(path == outer or path.startswith(outer + ".") for outer in found):
+            continue
+        own = list(child.parameters(recurse=False))
+        if own and _nbytes(own) > largest_block:
+            key = id(own[0])
+            if key not in large or path.count(".") > large[key].count("."):
+                large[key] = path
+    return (*(f"{path}.*" for path in found), *large.values())
+
+
+def _nbytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _split_patterns(patterns: tuple[str, ...], names: set[str], field: str) -> dict[str, list[str]]:
@@ -157,7 +186,10 @@ class PipelineOffload:
         if limit is not None:
             need = starting.planned_peak_bytes()
             need = limit if need is None else need  # learning: its peak is not known yet
-            others = [(n, self.engine(n)) for n in self._last_run]
+            # Components that never ran first (they hold their learning layout from offload() on), then
+            # the least recently run.
+            never_ran = [n for n in self.components if n not in self._last_run and n != name]
+            others = [(n, self.engine(n)) for n in (*never_ran, *self._last_run)]
             held = sum(e.store.device_bytes_held() for _, e in others)
             for other_name, other in others:
                 if held + need <= limit:
@@ -223,6 +255,8 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
             pipeline.engine(name).store.keep_packs = True  # see the note: components lay out in turn
         if profiles is not None:
             _start_from_profiles(pipeline, profiles, str(config.profile))
+        for name in components:  # each lays out at its first step: the peak is one phase's, not the sum
+            pipeline.engine(name).vacate()
     except BaseException:
         for module, device in reversed(done):
             release(module, device)
@@ -246,6 +280,7 @@ def _start_from_profiles(pipeline: PipelineOffload, profiles: dict[str, Any], so
 
     for name, profile in profiles.items():
         engine = pipeline.engine(name)
+        engine.vacate()  # its learning layout, before the plan's is made
         start_from_loaded_profile(engine, profile, f"{source}, component {name!r}")
         engine.vacate()
 

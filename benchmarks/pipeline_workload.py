@@ -1,0 +1,219 @@
+"""Whole-pipeline workloads: a diffusers Wan2.2 text-to-video pipeline, all of it, one generation a step.
+
+``wan22_pipeline`` is Wan2.2-T2V-A14B at its real config: two 40-block transformers (the high-noise
+expert ``transformer`` and the low-noise ``transformer_2``, switched at ``boundary_ratio`` 0.875), the
+UMT5-XXL text encoder and the Wan VAE, random bf16 weights (about 69 GB: generated on the GPU, never
+cached on disk), 81 frames at 832x480, classifier-free guidance on, four steps with the sampling shift of
+12 so that two run on each expert, then the VAE decode.
+
+The harness sees the pipeline as one module (:class:`PipelineModule`): its components are submodules, so
+weights load and ``.to()`` move as for any model, and a call is one generation. :class:`PhaseTimer`
+times each phase (text encoding, each expert's steps, the decode) and records its peak memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+from torch import nn
+
+# UMT5-XXL encoder (google/umt5-xxl, Wan's text encoder), transformers' UMT5Config names.
+UMT5_XXL: dict[str, Any] = {
+    "vocab_size": 256384,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "feed_forward_proj": "gated-gelu",
+    "tie_word_embeddings": False,
+}
+UMT5_TINY: dict[str, Any] = {**UMT5_XXL, "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 32,
+                             "num_layers": 2, "num_heads": 2}  # fmt: skip
+# The Wan VAE (AutoencoderKLWan's defaults are Wan2.1's, which Wan2.2-A14B uses) and a tiny one.
+WAN_VAE: dict[str, Any] = {}
+WAN_VAE_TINY: dict[str, Any] = {"base_dim": 16, "dim_mult": [1, 2], "num_res_blocks": 1,
+                                "temperal_downsample": [False]}  # fmt: skip
+
+PROMPT_WORDS = ("a", "cat", "runs", "in", "the", "snow", "at", "dawn", "blurry", "low", "quality")
+PHASES = ("encode", "transformer", "transformer_2", "decode")
+
+
+class PipelineModule(nn.Module):
+    """A diffusers pipeline as one module for the harness: its ``nn.Module`` components are submodules
+    (``named_parameters`` names them ``transformer.blocks.0...``), and a call runs one generation."""
+
+    def __init__(self, pipe: Any) -> None:
+        super().__init__()
+        self.pipe = pipe
+        for name, component in pipe.components.items():
+            if isinstance(component, nn.Module):
+                self.add_module(name, component)
+        self.timer = PhaseTimer(pipe)
+
+    def forward(self, **call: Any) -> torch.Tensor:
+        import torch
+
+        call = dict(call)
+        call["generator"] = torch.Generator().manual_seed(call.pop("seed"))  # the same noise every step
+        self.timer.begin_step()
+        frames = self.pipe(**call).frames
+        self.timer.end_step()
+        return frames
+
+
+def build_pipeline(model_kwargs: dict[str, Any], tiny: bool) -> PipelineModule:
+    """The pipeline with its parameters on the meta device (buffers real), in eval mode."""
+    from accelerate import init_empty_weights
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with init_empty_weights(include_buffers=False):
+        text_encoder = UMT5EncoderModel(UMT5Config(**model_kwargs["text_encoder"]))
+        transformer = WanTransformer3DModel(**model_kwargs["transformer"])
+        transformer_2 = WanTransformer3DModel(**model_kwargs["transformer"])
+        vae = AutoencoderKLWan(**model_kwargs["vae"])
+    pipe = WanPipeline(
+        tokenizer=_tokenizer(model_kwargs["text_encoder"]["vocab_size"]),
+        text_encoder=text_encoder.eval(),
+        vae=vae.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=model_kwargs["shift"]),
+        transformer=transformer.eval(),
+        transformer_2=transformer_2.eval(),
+        boundary_ratio=model_kwargs["boundary_ratio"],
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return PipelineModule(pipe).eval()
+
+
+def _tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer built here (nothing downloaded), its ids within the encoder's vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "</s>", "<unk>", *PROMPT_WORDS]
+    assert len(words) <= vocab_size
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def pipeline_inputs(shape: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of one generation (``seed`` becomes the generator)."""
+    return {
+        "prompt": "a cat runs in the snow at dawn",
+        "negative_prompt": "blurry low quality",
+        "height": shape["height"],
+        "width": shape["width"],
+        "num_frames": shape["num_frames"],
+        "num_inference_steps": shape["steps"],
+        "guidance_scale": shape["guidance"],
+        "guidance_scale_2": shape["guidance_2"],
+        "max_sequence_length": shape["text_len"],
+        "output_type": "pt",
+        "seed": 7,
+    }
+
+
+class PhaseTimer:
+    """Wall time and peak allocated memory of each phase of a generation, the device synchronised at
+    each phase boundary (a few times a generation: it costs nothing measurable against seconds of work).
+
+    Phases: ``encode`` (text encoder calls), ``transformer`` and ``transformer_2`` (each expert's
+    forwards, guidance included), ``decode`` (``vae.decode``). Timed from the outermost entry into a
+    component until it returns; time between components (the scheduler, latents) counts to none.
+    """
+
+    def __init__(self, pipe: Any) -> None:
+        self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.last_step: dict[str, Any] = {}
+        self._depth = 0
+        self._start = 0.0
+        for phase, component in (
+            ("encode", pipe.text_encoder),
+            ("transformer", pipe.transformer),
+            ("transformer_2", pipe.transformer_2),
+        ):
+            component.register_forward_pre_hook(self._enter_hook(phase))
+            component.register_forward_hook(self._exit_hook(phase), always_call=True)
+        decode = pipe.vae.decode  # wrapped on the instance: offloaders that bracket decode wrap this
+
+        def timed_decode(*args: Any, **kwargs: Any) -> Any:
+            self._enter("decode")
+            try:
+                return decode(*args, **kwargs)
+            finally:
+                self._exit("decode")
+
+        pipe.vae.decode = timed_decode
+
+    def _enter_hook(self, phase: str) -> Callable[..., None]:
+        return lambda module, args: self._enter(phase)
+
+    def _exit_hook(self, phase: str) -> Callable[..., None]:
+        return lambda module, args, output: self._exit(phase)
+
+    def _enter(self, phase: str) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        _sync()
+        self._start = time.perf_counter()
+        _reset_peak()
+
+    def _exit(self, phase: str) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        _sync()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - self._start
+        self.peaks[phase] = max(self.peaks.get(phase, 0), _peak())
+        self.calls[phase] = self.calls.get(phase, 0) + 1
+
+    def begin_step(self) -> None:
+        self.seconds, self.peaks, self.calls = {}, {}, {}
+
+    def end_step(self) -> None:
+        self.last_step = {
+            "phase_s": {p: round(s, 4) for p, s in self.seconds.items()},
+            "phase_peak_allocated_bytes": dict(self.peaks),
+            "phase_calls": dict(self.calls),
+        }
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak() -> int:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    return 0

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole-pipeline benchmark (wan22_pipeline: Wan2.2-T2V-A14B, 69 GB of random bf16 weights generated
+# on the GPU) in device calls of 10 minutes each. PART=1: native, ours under 8 GiB, diffusers'
+# enable_model_cpu_offload. PART=2: ours without a budget under a 24 GiB cap, diffusers' group offload,
+# flextensor 0.5.0. Each method loads the pipeline afresh (~30 s) and runs 2-3 warm-up generations and 2
+# timed ones (~30 s each on an H200).
+#   device tool: carry [".whl"], command: PART=1 bash scripts/gpu_pipeline_check.sh
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+out=${OUT:-benchmarks/results}
+if [ "${PART:-1}" = 1 ]; then
+    methods="native,ours_budget:8GiB,diffusers_model_offload"
+else
+    methods="ours/cap=24GiB,diffusers_group,flextensor050"
+fi
+python3 -m benchmarks.run --workload wan22_pipeline --device cuda --out "$out" --deadline 560 --timeout 330 \
+    --min-steps 2 --max-steps 2 --methods "$methods" 2>&1 | tail -12
+python3 - "$out" <<'PY'
+import glob, json, sys
+path = sorted(glob.glob(f"{sys.argv[1]}/wan22_pipeline-cuda-*.json"))[-1]
+for r in json.load(open(path))["runs"]:
+    last = (r.get("phase_steps") or [{}])[-1]
+    peaks = {k: round(v / 1e9, 2) for k, v in last.get("phase_peak_allocated_bytes", {}).items()}
+    print(r["method_spec"], r["status"], r.get("step_s"), "phases s:", last.get("phase_s"), "peaks GB:", peaks,
+          "rss GB:", round((r.get("host_rss_peak_bytes") or 0) / 1e9, 1), (r.get("reason") or "")[:300])
+PY
