@@ -84,7 +84,7 @@ def parse_args(example: Example, argv: list[str] | None = None) -> argparse.Name
     run.add_argument("--compare-native", action="store_true",
                      help="also run without flextensor when the weights fit the device, and check the "
                      "frames are bitwise equal")  # fmt: skip
-    run.add_argument("--output", default=f"{example.name}.mp4", help="where the mp4 goes")
+    run.add_argument("--output", default=f"{example.name}.mp4", help="where the mp4 goes ('-': none)")
     if example.add_arguments is not None:
         example.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -145,8 +145,9 @@ def main(example: Example, argv: list[str] | None = None) -> int:
 
     calls = {name: flextensor.status(m).forwards for name, m in modules(pipe).items()}
     print("calls per component over the runs: " + ", ".join(f"{n} {c}" for n, c in calls.items()))
-    write_video(ours.frames, args.output, args.fps)
-    print(f"wrote {args.output} ({len(ours.frames)} frames)")
+    if args.output != "-":
+        write_video(ours.frames, args.output, args.fps)
+        print(f"wrote {args.output} ({len(ours.frames)} frames)")
     if native is not None:
         same = np.array_equal(native.frames, ours.frames)
         print(f"time: native {native.seconds:.2f} s, flextensor {ours.seconds:.2f} s "
