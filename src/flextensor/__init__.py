@@ -25,6 +25,7 @@ from .api import (
 )
 from .config import OffloadConfig
 from .config_sources import load_config
+from .editing import editing
 from .errors import (
     AlreadyOffloadedError,
     BackwardNotSupportedError,
@@ -71,6 +72,7 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedOperationError",
     "__version__",
+    "editing",
     "load_config",
     "offload",
     "offload_units",
