@@ -208,3 +208,28 @@ def test_a_forward_inside_editing_is_refused() -> None:
         pytest.raises(flextensor.UnsupportedOperationError, match="after the with"),
     ):
         run_forwards(model, llama_inputs(), 1)
+
+
+def test_peft_merge_outside_editing_is_refused_before_it_writes_anything() -> None:
+    x = llama_inputs()
+    model = offloaded_llama()
+    torch.manual_seed(5)
+    peft_model = peft.get_peft_model(model, lora_config())
+    expected = run_forwards(peft_model, x, LEARN + 1)[-1]
+    with pytest.raises(flextensor.UnsupportedOperationError, match=r"\.data .*flextensor\.editing"):
+        peft_model.merge_adapter()
+    assert all(torch.equal(out, expected) for out in run_forwards(peft_model, x, 3))
+
+
+def test_a_write_through_data_outside_editing_is_refused_at_once_and_release_gives_plain_parameters() -> None:
+    model = offloaded_llama()
+    run_forwards(model, llama_inputs(), LEARN)
+    weight = model.model.layers[1].mlp.up_proj.weight
+    with pytest.raises(flextensor.UnsupportedOperationError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        weight.data.mul_(2)
+    with flextensor.editing(model):
+        weight.data.mul_(2)  # allowed, and kept
+    flextensor.release(model)
+    assert type(weight) is torch.nn.Parameter
+    expected = tiny_llama().model.layers[1].mlp.up_proj.weight * 2
+    assert torch.equal(weight.data, expected)

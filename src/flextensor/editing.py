@@ -12,6 +12,12 @@ arena again, and the arena's contents are forgotten so every unit reloads from i
 inside units meanwhile (peft and diffusers LoRA layers) keep their new parameters resident on the device:
 the units' packs, and so the plan, stay as they are.
 
+An edit made without the context through ``.data`` (``p.data.mul_()``, ``p.data += delta``: how peft and
+diffusers merge) is refused at once, before it writes anything: every unit parameter's class is swapped
+for a subclass whose ``data`` property raises outside a forward and outside the context (a ``.data`` read
+there could return another unit's bytes as well). Neither PyTorch's kernels nor the hot path touch
+``.data``, so this costs nothing per forward; flextensor's own plan-time code goes through.
+
 An edit made without the context is caught before the next forward computes anything when it went
 through the parameter itself (``p.mul_()``, ``p.copy_()``, ``nn.init``): it bumps the parameter's version
 counter, and :class:`WeightWatch` compares the sum of the streamed parameters' counters with the sum
@@ -24,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -31,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .errors import UnsupportedOperationError
+from .errors import NotOffloadedError, UnsupportedOperationError
 from .host_store import UnitPack
 from .units import Placement, Unit
 
@@ -40,9 +48,76 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["EditSession", "WeightWatch", "editing"]
+__all__ = ["EditSession", "WeightWatch", "editing", "guard_parameters", "unguard_parameter"]
 
 _VERSION = operator.attrgetter("_version")
+_DATA = torch._C.TensorBase.data  # the real ``.data`` descriptor, under the guard
+_GUARD = "_flextensor_guard"  # on a guarded parameter: (weak reference to its engine, its FQN)
+_GUARDED_CLASSES: dict[type, type] = {}  # parameter class -> its guarded subclass
+
+
+def _check_data_access(param: nn.Parameter, what: str) -> None:
+    guard = param.__dict__.get(_GUARD)
+    if guard is None:
+        return
+    engine = guard[0]()
+    if engine is None or engine.editing is not None or engine.bracket.running:
+        return
+    if sys._getframe(2).f_globals.get("__name__", "").startswith("flextensor."):
+        return  # flextensor's own plan-time code: it knows where the weights are
+    raise UnsupportedOperationError(
+        f"{what} {guard[1]}.data of an offloaded model between forwards: the weight views a device range "
+        "that other units' weights overwrite, so it may hold another unit's bytes and a write there would "
+        "be lost. Make edits (peft merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora, "
+        "weight.data changes) inside `with flextensor.editing(model): ...`; read weights from "
+        "model.state_dict()"
+    )
+
+
+def _get_data(param: nn.Parameter) -> torch.Tensor:
+    _check_data_access(param, "reading")
+    return _DATA.__get__(param)
+
+
+def _set_data(param: nn.Parameter, value: torch.Tensor) -> None:
+    current = _DATA.__get__(param)
+    unchanged = (
+        value.data_ptr() == current.data_ptr()
+        and value.shape == current.shape
+        and value.stride() == current.stride()
+        and value.dtype == current.dtype
+        and value.device == current.device
+    )
+    if not unchanged:  # a no-op move (module.to() of the device it is on) sets .data to itself
+        _check_data_access(param, "replacing")
+    _DATA.__set__(param, value)
+
+
+def _guarded_class(cls: type) -> type:
+    made = _GUARDED_CLASSES.get(cls)
+    if made is None:
+        members = {"data": property(_get_data, _set_data), "__module__": cls.__module__}
+        made = type(cls.__name__, (cls,), members)
+        made._flextensor_original = cls  # type: ignore[attr-defined]
+        _GUARDED_CLASSES[cls] = made
+    return made
+
+
+def guard_parameters(engine: OffloadEngine) -> None:
+    """Guard ``.data`` of every unit parameter (see [Note: editing streamed weights]); plan time."""
+    ref = weakref.ref(engine)
+    for unit in engine.units.values():
+        for fqn, param, _ in unit.parameters:
+            param.__dict__[_GUARD] = (ref, fqn)
+            param.__class__ = _guarded_class(type(param))
+
+
+def unguard_parameter(param: nn.Parameter) -> None:
+    """Give a parameter that leaves its unit (or the model released) its own class back."""
+    param.__dict__.pop(_GUARD, None)
+    original = getattr(type(param), "_flextensor_original", None)
+    if original is not None:
+        param.__class__ = original
 
 
 class WeightWatch:
@@ -90,9 +165,9 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
     for module in modules:
         try:
             engines.append(engine_of(module))
-        except Exception:
+        except NotOffloadedError:
             if components is None:
-                raise
+                raise  # a pipeline's components that are not offloaded need no editing
     sessions: list[EditSession] = []
     try:
         for engine in engines:
@@ -191,8 +266,10 @@ class EditSession:
             if name is None:
                 logger.info("offloaded parameter %s left the model while editing; no longer streamed", fqn)
                 self.engine.owner_of.pop(id(param), None)
+                unguard_parameter(param)
                 continue
             kept.append((name, param, entry))
+            param.__dict__[_GUARD] = (param.__dict__[_GUARD][0], name)
         unit.parameters[:] = kept
 
     def _write_back(self, unit: Unit, entry: object, value: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from .config import OffloadConfig
 from .cuda_graphs import GraphCaptures
 from .device import Target
 from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryStep
-from .editing import EditSession, WeightWatch
+from .editing import EditSession, WeightWatch, guard_parameters, unguard_parameter
 from .errors import UnsupportedOperationError
 from .layout import provisional_arena_bytes
 from .measurements import LinkModel, Measurements
@@ -126,6 +126,7 @@ class OffloadEngine:
         units = list(self.units.values())
         self._lay_out(units, (), provisional_arena_bytes([u.nbytes for u in units]))
         self.hooks.attach()
+        guard_parameters(self)
         self._enter(Phase.DISCOVERY)
 
     def _enter(self, phase: Phase) -> None:
@@ -367,6 +368,7 @@ class OffloadEngine:
                 with torch.inference_mode(False), torch.no_grad():
                     param.data = source.to(self.runtime.device, copy=True)
                 del unit.parameters[i]
+                unguard_parameter(param)
                 self.resident_reasons[fqn] = reason
                 logger.info("keeping %s resident: %s", fqn, reason)
                 return
@@ -641,8 +643,15 @@ class OffloadEngine:
                 owner.data = value
             else:
                 owner._buffers[key] = value
+        self.unguard_parameters()
         self.hooks.detach()
         self.store.free_everything()
+
+    def unguard_parameters(self) -> None:
+        """Give every unit parameter its own class back (release, or a failed offload)."""
+        for unit in self.units.values():
+            for _, param, _ in unit.parameters:
+                unguard_parameter(param)
 
     # -- introspection ------------------------------------------------------------------------------------
 
