@@ -25,7 +25,6 @@ from .api import (
 )
 from .config import OffloadConfig
 from .config_sources import load_config
-from .editing import editing
 from .errors import (
     AlreadyOffloadedError,
     BackwardNotSupportedError,
@@ -47,6 +46,7 @@ from .log import configure_logging
 from .reporting import report
 from .status import OffloadStatus, UnitStatus
 from .tracing import trace
+from .weight_edits import editing
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,6 @@ from .config import OffloadConfig
 from .cuda_graphs import GraphCaptures
 from .device import Target
 from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryStep
-from .editing import EditSession, WeightWatch, guard_parameters, unguard_parameter
 from .errors import UnsupportedOperationError
 from .layout import provisional_arena_bytes
 from .measurements import LinkModel, Measurements
@@ -41,6 +40,7 @@ from .status import OffloadStatus, status_of
 from .steady import CapturedStep, OutsideForwardStep, ProfiledStep, RecordedStep, SteadyStep, profiler_running
 from .timeline import StepRecorder
 from .units import Placement, Unit
+from .weight_edits import EditSession, WeightWatch, guard_parameters, unguard_parameter
 
 logger = logging.getLogger("flextensor")
 
@@ -566,6 +566,10 @@ class OffloadEngine:
                         "arena; load inside `with flextensor.editing(model): ...`, or call "
                         "flextensor.release(model) first, load, then offload again"
                     )
+
+    def accept_weight_versions(self) -> None:
+        """Take the streamed weights' version counters as they are now as unedited."""
+        self.watch.arm(self.units.values())
 
     def after_edit(self, added: dict[str, str]) -> None:
         """flextensor.editing() wrote the edited weights back to the packs: every arena range must reload,

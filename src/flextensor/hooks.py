@@ -68,6 +68,8 @@ class Controller(Protocol):
 
     def refuse_load_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
 
+    def accept_weight_versions(self) -> None: ...
+
 
 class ForwardBracket:
     """Depth and owner thread of the forward in progress.
@@ -421,6 +423,9 @@ class ModelHooks:
 
     def run_model_begin(self, signature: str) -> None:
         """The model's forward begins inside a larger compiled region (see compiled.py)."""
+        # Tracing that region ran flextensor's unit ops, which declare the weights written: their version
+        # counters grew with no edit (see [Note: editing streamed weights]).
+        self._controller.accept_weight_versions()
         self.begin(tuple(signature.split("|")) if signature else ())
         if getattr(self._controller.step, "eager_only", False):
             self.model_end(None)

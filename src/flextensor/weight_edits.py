@@ -24,6 +24,11 @@ counter, and :class:`WeightWatch` compares the sum of the streamed parameters' c
 when the layout was made (one C-level sum per forward, no Python loop). Such an edit cannot be kept (its
 bytes may have landed in another unit's weights): the edited units' arena ranges are forgotten, so they
 reload their packs, and the forward raises :class:`~flextensor.errors.UnsupportedOperationError`.
+flextensor's own compiled unit ops declare the weights written (see [Note: compiled hot path] in
+compiled.py), so they bump the counters too: inside a forward that is absorbed (the watch is armed again
+at its end), but tracing a larger compiled region runs them before the model's forward begins, so a
+forward entered from such a region takes the counters as they are (a blind spot for ``p.mul_()`` there;
+writes through ``.data`` are still refused).
 """
 
 from __future__ import annotations
