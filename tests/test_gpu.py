@@ -197,3 +197,33 @@ def test_a_model_dropped_without_release_unpins_its_host_memory() -> None:
         del model
         gc.collect()
     torch.cuda.synchronize()
+
+
+def test_peft_merge_in_editing_on_cuda_is_bitwise_and_kept_in_the_pinned_host_copies() -> None:
+    peft = pytest.importorskip("peft")
+    inputs = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def lora(model: nn.Module) -> nn.Module:
+        torch.manual_seed(5)
+        config = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return peft.get_peft_model(model, config)
+
+    plain = lora(medium_llama(4).cuda())
+    plain.merge_adapter()
+    with torch.no_grad():
+        ref = plain(inputs).logits.clone()
+    del plain
+    torch.cuda.empty_cache()
+    model = flextensor.offload(
+        medium_llama(4),
+        flextensor.OffloadConfig(include_patterns=["model.layers.*"], gpu_memory_budget="120MiB"),
+    )
+    peft_model = lora(model)
+    with torch.no_grad():
+        for _ in range(4):
+            peft_model(inputs)
+        with flextensor.editing(model):
+            peft_model.merge_adapter()
+        outs = [peft_model(inputs).logits for _ in range(3)]
+    assert flextensor.status(model).streamed
+    assert all(torch.equal(out, ref) for out in outs)

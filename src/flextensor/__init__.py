@@ -46,6 +46,7 @@ from .log import configure_logging
 from .reporting import report
 from .status import OffloadStatus, UnitStatus
 from .tracing import trace
+from .weight_edits import editing
 
 __version__ = "0.1.0"
 
@@ -71,6 +72,7 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedOperationError",
     "__version__",
+    "editing",
     "load_config",
     "offload",
     "offload_units",

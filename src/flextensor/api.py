@@ -88,6 +88,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         resident.update(selection.resident_reasons)
         engine = OffloadEngine(model, config, target, units, resident, entry_methods)
         packing.on_undo(engine.hooks.detach)
+        packing.on_undo(engine.unguard_parameters)
         packing.on_undo(lambda: unmark_offloaded(model))
         packing.on_undo(lambda: model.__dict__.pop(_ENGINE_ATTR, None))
         engine.start()

@@ -40,6 +40,7 @@ from .status import OffloadStatus, status_of
 from .steady import CapturedStep, OutsideForwardStep, ProfiledStep, RecordedStep, SteadyStep, profiler_running
 from .timeline import StepRecorder
 from .units import Placement, Unit
+from .weight_edits import EditSession, WeightWatch, guard_parameters, unguard_parameter
 
 logger = logging.getLogger("flextensor")
 
@@ -115,6 +116,8 @@ class OffloadEngine:
         self._check_next = False  # the first forward from a saved profile checks the model still fits it
         self._outside_reads = 0
         self._grad_guard = StreamedWeightGuard()
+        self.watch = WeightWatch()  # in-place writes into streamed weights between forwards
+        self.editing: EditSession | None = None  # flextensor.editing(model) is open
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -122,6 +125,7 @@ class OffloadEngine:
         """Lay every unit out for discovery and hook the model (``offload()`` calls this once)."""
         self._lay_out_to_discover()
         self.hooks.attach()
+        guard_parameters(self)
         self._enter(Phase.DISCOVERY)
 
     def _lay_out_to_discover(self) -> None:
@@ -142,6 +146,7 @@ class OffloadEngine:
         self.laid_out = False
         self.store.lay_out(streamed, resident, arena_bytes)
         self.laid_out = True
+        self.watch.arm(self.units.values())
 
     # -- forwards -----------------------------------------------------------------------------------------
 
@@ -153,6 +158,14 @@ class OffloadEngine:
                 "arena held while tracing, not the streaming; use torch.compile, or trace the model before "
                 "offload() or after flextensor.release(model)"
             )
+        if self.editing is not None:
+            raise UnsupportedOperationError(
+                "a forward of the model inside flextensor.editing(model): run it after the with-block, once "
+                "the edits are written back"
+            )
+        edited = self.watch.edited()
+        if edited:
+            self._discard_edits(edited)
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
         if self.phase is Phase.PROFILING and self._samples and signature != self.signature:
@@ -222,8 +235,31 @@ class OffloadEngine:
         driver.begin()
         self.step = driver
 
+    def _discard_edits(self, edited: list[Unit]) -> None:
+        """Streamed weights were written in place outside flextensor.editing(): the bytes written may be
+        another unit's (see [Note: editing streamed weights]). Forget what their arena ranges hold, so
+        every unit there reloads its pack, and refuse the forward before it computes."""
+        owner = self.store.owner
+        for unit in edited:
+            for cell in unit.cells:
+                owner[cell] = None
+        self.watch.arm(self.units.values())
+        names = ", ".join(repr(u.name) for u in edited[:5]) + (", ..." if len(edited) > 5 else "")
+        raise UnsupportedOperationError(
+            f"the weights of offload unit(s) {names} were changed in place outside flextensor.editing(model) "
+            "(e.g. weight.mul_(), copy_(), an init function): a streamed weight views a device range that "
+            "other units' weights overwrite, so the edit was discarded and those units reload their weights "
+            "from host memory. Make the edit inside `with flextensor.editing(model): ...`, then run the model"
+        )
+
     def end_forward(self, error: type[BaseException] | None) -> None:
         """Close the outermost forward: ``error`` is the type of what it raised, if it did."""
+        try:
+            self._end_forward(error)
+        finally:
+            self.watch.arm(self.units.values())  # the forward may have moved weights out of units
+
+    def _end_forward(self, error: type[BaseException] | None) -> None:
         driver, self.step = self.step, self._outside
         self._grad_guard.exit()
         self.bracket.reset()
@@ -337,6 +373,7 @@ class OffloadEngine:
                 with torch.inference_mode(False), torch.no_grad():
                     param.data = source.to(self.runtime.device, copy=True)
                 del unit.parameters[i]
+                unguard_parameter(param)
                 self.resident_reasons[fqn] = reason
                 logger.info("keeping %s resident: %s", fqn, reason)
                 return
@@ -509,13 +546,47 @@ class OffloadEngine:
         """(key, tensor) for every streamed parameter: its kept copy, since its arena range may hold
         another unit's bytes. Each tensor has a storage of its own (torch.save and safetensors refuse
         one storage viewed as several dtypes)."""
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
         entries = []
         for unit in self.units.values():
             if unit.resident or unit.pack is None:
                 continue
-            for fqn, _, entry in unit.parameters:
-                entries.append((prefix + fqn, unit.pack.standalone_view(entry)))
+            for fqn, param, entry in unit.parameters:
+                # Its name now: a module added since offload() (a LoRA layer) may have renamed it.
+                key = prefix + names.get(id(param), fqn)
+                entries.append((key, unit.pack.standalone_view(entry)))
         return entries
+
+    def refuse_load_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Raise before ``load_state_dict`` writes into a streamed weight outside flextensor.editing(); a
+        load that touches only other weights (a peft adapter's) goes through."""
+        if self.editing is not None:
+            return
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        for unit in self.units.values():
+            if unit.resident:
+                continue
+            for fqn, param, _ in unit.parameters:
+                if prefix + names.get(id(param), fqn) in state_dict:
+                    raise UnsupportedOperationError(
+                        f"load_state_dict() would write the offloaded weight {fqn!r} into the shared device "
+                        "arena; load inside `with flextensor.editing(model): ...`, or call "
+                        "flextensor.release(model) first, load, then offload again"
+                    )
+
+    def accept_weight_versions(self) -> None:
+        """Take the streamed weights' version counters as they are now as unedited."""
+        self.watch.arm(self.units.values())
+
+    def after_edit(self, added: dict[str, str]) -> None:
+        """flextensor.editing() wrote the edited weights back to the packs: every arena range must reload,
+        parameters added inside units stay resident, the unit hooks see the modules as they are now."""
+        for fqn, reason in added.items():
+            self.resident_reasons[fqn] = reason
+            logger.info("keeping %s resident: %s", fqn, reason)
+        self.store.forget_contents()
+        self.hooks.hook_units(self.hooks.hooked_units)  # re-mark: parameter names may have changed
+        self.watch.arm(self.units.values())
 
     def refuse_conversion(self, fn: Any) -> None:
         """Raise before ``Module._apply(fn)`` changes anything if it would give a streamed parameter new
@@ -545,6 +616,7 @@ class OffloadEngine:
         held = self.store.device_bytes_held()
         self.store.vacate()
         self.laid_out = False
+        self.watch.arm(self.units.values())
         return held
 
     def planned_peak_bytes(self) -> int | None:
@@ -582,8 +654,15 @@ class OffloadEngine:
                 owner.data = value
             else:
                 owner._buffers[key] = value
+        self.unguard_parameters()
         self.hooks.detach()
         self.store.free_everything()
+
+    def unguard_parameters(self) -> None:
+        """Give every unit parameter its own class back (release, or a failed offload)."""
+        for unit in self.units.values():
+            for _, param, _ in unit.parameters:
+                unguard_parameter(param)
 
     # -- introspection ------------------------------------------------------------------------------------
 

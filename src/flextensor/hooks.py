@@ -66,6 +66,10 @@ class Controller(Protocol):
 
     def refuse_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
 
+    def refuse_load_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
+
+    def accept_weight_versions(self) -> None: ...
+
 
 class ForwardBracket:
     """Depth and owner thread of the forward in progress.
@@ -419,6 +423,9 @@ class ModelHooks:
 
     def run_model_begin(self, signature: str) -> None:
         """The model's forward begins inside a larger compiled region (see compiled.py)."""
+        # Tracing that region ran flextensor's unit ops, which declare the weights written: their version
+        # counters grew with no edit (see [Note: editing streamed weights]).
+        self._controller.accept_weight_versions()
         self.begin(tuple(signature.split("|")) if signature else ())
         if getattr(self._controller.step, "eager_only", False):
             self.model_end(None)
@@ -448,11 +455,8 @@ class ModelHooks:
         model = self._controller.model
         return type(model)._apply(model, fn, *args, **kwargs)
 
-    def _refuse_load_state_dict(self, module: nn.Module, *args: Any) -> None:
-        raise UnsupportedOperationError(
-            "load_state_dict() on an offloaded model would write into the shared device arena; call "
-            "flextensor.release(model) first, load, then offload again"
-        )
+    def _refuse_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        self._controller.refuse_load_state_dict(state_dict, prefix)
 
     def __repr__(self) -> str:
         return f"ModelHooks({len(self._model_handles)} model hooks, {len(self._unit_handles)} units hooked)"

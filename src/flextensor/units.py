@@ -108,9 +108,11 @@ class Unit:
             param.data = entry.shaped(own.view(entry.dtype))
 
     def weights_version(self) -> int:
-        """Grows with every in-place write to the unit's parameters (through them or their ``.data``);
-        copies into the storage do not change it. Plan time only: a loop over the parameters."""
-        return sum(param._version + param.data._version for _, param, _ in self.parameters)
+        """Grows with every in-place write through the unit's parameters (``p.mul_()``, ``p.copy_()``);
+        copies into the storage do not change it, and neither does a write through ``p.data``, which is a
+        new tensor with a version counter of its own each time. Plan time only: a loop over the
+        parameters."""
+        return sum(param._version for _, param, _ in self.parameters)
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {self.nbytes} bytes, {self.placement.value})"

@@ -1,0 +1,324 @@
+"""Changing an offloaded model's weights: the ``editing`` context, and catching edits made without it.
+
+[Note: editing streamed weights]
+A streamed parameter views its unit's range of the device arena, which other units overwrite; the unit's
+host pack is the source of truth. An in-place write into such a parameter between forwards (peft's
+``merge_adapter``, diffusers' ``fuse_lora``, ``weight.mul_()``) would land in whatever unit occupies those
+bytes now and be lost at the next reload. So edits are made inside ``flextensor.editing(model)``: on
+entry every streamed parameter gets a private device copy of its unit's weights (so a library may read
+and write any of them, in any order, as on a model without offload); on exit each parameter's value is
+written back to its unit's pack (and to the device storage of a resident unit), the parameters view the
+arena again, and the arena's contents are forgotten so every unit reloads from its pack. Modules added
+inside units meanwhile (peft and diffusers LoRA layers) keep their new parameters resident on the device:
+the units' packs, and so the plan, stay as they are.
+
+An edit made without the context through ``.data`` (``p.data.mul_()``, ``p.data += delta``: how peft and
+diffusers merge) is refused at once, before it writes anything: every unit parameter's class is swapped
+for a subclass whose ``data`` property raises outside a forward and outside the context (a ``.data`` read
+there could return another unit's bytes as well). Neither PyTorch's kernels nor the hot path touch
+``.data``, so this costs nothing per forward; flextensor's own plan-time code goes through.
+
+An edit made without the context is caught before the next forward computes anything when it went
+through the parameter itself (``p.mul_()``, ``p.copy_()``, ``nn.init``): it bumps the parameter's version
+counter, and :class:`WeightWatch` compares the sum of the streamed parameters' counters with the sum
+when the layout was made (one C-level sum per forward, no Python loop). Such an edit cannot be kept (its
+bytes may have landed in another unit's weights): the edited units' arena ranges are forgotten, so they
+reload their packs, and the forward raises :class:`~flextensor.errors.UnsupportedOperationError`.
+flextensor's own compiled unit ops declare the weights written (see [Note: compiled hot path] in
+compiled.py), so they bump the counters too: inside a forward that is absorbed (the watch is armed again
+at its end), but tracing a larger compiled region runs them before the model's forward begins, so a
+forward entered from such a region takes the counters as they are (a blind spot for ``p.mul_()`` there;
+writes through ``.data`` are still refused).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import sys
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .errors import NotOffloadedError, UnsupportedOperationError
+from .host_store import UnitPack
+from .units import Placement, Unit
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+logger = logging.getLogger("flextensor")
+
+__all__ = ["EditSession", "WeightWatch", "editing", "guard_parameters", "unguard_parameter"]
+
+_VERSION = operator.attrgetter("_version")
+_DATA = torch._C.TensorBase.data  # the real ``.data`` descriptor, under the guard
+_GUARD = "_flextensor_guard"  # on a guarded parameter: (weak reference to its engine, its FQN)
+_GUARDED_CLASSES: dict[type, type] = {}  # parameter class -> its guarded subclass
+
+
+def _check_data_access(param: nn.Parameter, what: str) -> None:
+    guard = param.__dict__.get(_GUARD)
+    if guard is None:
+        return
+    engine = guard[0]()
+    if engine is None or engine.editing is not None or engine.bracket.running:
+        return
+    if sys._getframe(2).f_globals.get("__name__", "").startswith("flextensor."):
+        return  # flextensor's own plan-time code: it knows where the weights are
+    raise UnsupportedOperationError(
+        f"{what} {guard[1]}.data of an offloaded model between forwards: the weight views a device range "
+        "that other units' weights overwrite, so it may hold another unit's bytes and a write there would "
+        "be lost. Make edits (peft merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora, "
+        "weight.data changes) inside `with flextensor.editing(model): ...`; read weights from "
+        "model.state_dict()"
+    )
+
+
+def _get_data(param: nn.Parameter) -> torch.Tensor:
+    _check_data_access(param, "reading")
+    return _DATA.__get__(param)
+
+
+def _set_data(param: nn.Parameter, value: torch.Tensor) -> None:
+    current = _DATA.__get__(param)
+    unchanged = (
+        value.data_ptr() == current.data_ptr()
+        and value.shape == current.shape
+        and value.stride() == current.stride()
+        and value.dtype == current.dtype
+        and value.device == current.device
+    )
+    if not unchanged:  # a no-op move (module.to() of the device it is on) sets .data to itself
+        _check_data_access(param, "replacing")
+    _DATA.__set__(param, value)
+
+
+def _guarded_class(cls: type) -> type:
+    made = _GUARDED_CLASSES.get(cls)
+    if made is None:
+        members = {"data": property(_get_data, _set_data), "__module__": cls.__module__}
+        made = type(cls.__name__, (cls,), members)
+        made._flextensor_original = cls  # type: ignore[attr-defined]
+        _GUARDED_CLASSES[cls] = made
+    return made
+
+
+def guard_parameters(engine: OffloadEngine) -> None:
+    """Guard ``.data`` of every unit parameter (see [Note: editing streamed weights]); plan time."""
+    ref = weakref.ref(engine)
+    for unit in engine.units.values():
+        for fqn, param, _ in unit.parameters:
+            param.__dict__[_GUARD] = (ref, fqn)
+            param.__class__ = _guarded_class(type(param))
+
+
+def unguard_parameter(param: nn.Parameter) -> None:
+    """Give a parameter that leaves its unit (or the model released) its own class back."""
+    param.__dict__.pop(_GUARD, None)
+    original = getattr(type(param), "_flextensor_original", None)
+    if original is not None:
+        param.__class__ = original
+
+
+class WeightWatch:
+    """Notices in-place writes through streamed parameters between forwards (see [Note: editing streamed
+    weights]). :meth:`arm` at plan time; :meth:`edited` once per forward."""
+
+    def __init__(self) -> None:
+        self._params: tuple[nn.Parameter, ...] = ()
+        self._total = 0
+        self._per_unit: dict[Unit, int] = {}
+
+    def arm(self, units: Iterable[Unit]) -> None:
+        """Watch the parameters of the units streamed now, from their present versions (plan time)."""
+        streamed = [u for u in units if u.placement is Placement.STREAMED]
+        self._params = tuple(p for u in streamed for _, p, _ in u.parameters)
+        self._per_unit = {u: u.weights_version() for u in streamed}
+        self._total = sum(map(_VERSION, self._params))
+
+    def edited(self) -> list[Unit]:
+        """The streamed units whose parameters were written in place since :meth:`arm`; usually none,
+        found with one sum over the counters."""
+        if sum(map(_VERSION, self._params)) == self._total:
+            return []
+        return [u for u, version in self._per_unit.items() if u.weights_version() != version]
+
+
+@contextmanager
+def editing(model: nn.Module) -> Iterator[nn.Module]:
+    """Make an offloaded model's weights editable in place for the duration of the block.
+
+    Inside, every weight holds its unit's real values on the device, so libraries may change them as on
+    a model without offload: peft ``merge_adapter`` / ``unmerge_adapter``, diffusers ``fuse_lora`` /
+    ``unfuse_lora``, ``load_state_dict``, ``weight.mul_()``. On exit the edited values are written back to
+    the host packs and every later forward computes with them. Modules added meanwhile (LoRA layers) keep
+    their new parameters resident on the device. Needs device memory for every streamed weight while the
+    block runs; no forward may run inside it. A diffusers pipeline or a mapping of modules edits every
+    offloaded component.
+    """
+    from .api import engine_of
+    from .pipelines import components_of
+
+    components = components_of(model)
+    modules = list(components.values()) if components is not None else [model]
+    engines = []
+    for module in modules:
+        try:
+            engines.append(engine_of(module))
+        except NotOffloadedError:
+            if components is None:
+                raise  # a pipeline's components that are not offloaded need no editing
+    sessions: list[EditSession] = []
+    try:
+        for engine in engines:
+            sessions.append(EditSession(engine))
+            sessions[-1].begin()
+        yield model
+    finally:
+        errors = []
+        for session in reversed(sessions):
+            try:
+                session.end()
+            except Exception as exc:  # finish every component, then raise the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+class EditSession:
+    """One engine's weights made editable (:meth:`begin`) and written back (:meth:`end`)."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+        self._given: list[Unit] = []  # units whose parameters hold private copies
+
+    def begin(self) -> None:
+        engine = self.engine
+        if engine.bracket.running:
+            raise UnsupportedOperationError(
+                "flextensor.editing(model) cannot start inside a forward of the model; edit between forwards"
+            )
+        if engine.editing is not None:
+            raise UnsupportedOperationError("flextensor.editing(model) is already open for this model")
+        if engine.graphs.captured:
+            raise UnsupportedOperationError(
+                "a CUDA graph captured this model's arena addresses and contents; editing its weights would "
+                "leave the graph replaying stale ones: call flextensor.release(model), edit, offload again"
+            )
+        runtime = engine.runtime
+        runtime.synchronize()  # copies in flight may still write the arena
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                for unit in engine.units.values():
+                    if unit.resident:
+                        continue  # its parameters view storage of its own: edits stay there
+                    copies = [
+                        unit.kept(entry).to(runtime.device, copy=True) for _, _, entry in unit.parameters
+                    ]
+                    for (_, param, _), copy in zip(unit.parameters, copies, strict=True):
+                        param.data = copy
+                    self._given.append(unit)
+        except BaseException:
+            self._point_back(self._given)  # out of device memory part-way: nothing changed
+            raise
+        engine.editing = self
+
+    def end(self) -> None:
+        """Write every edited value back and view the arena again; raise for an edit that cannot be kept
+        (a new shape or dtype), after leaving that weight as it was."""
+        engine = self.engine
+        engine.editing = None
+        runtime = engine.runtime
+        runtime.synchronize()
+        names = {id(p): n for n, p in engine.model.named_parameters(remove_duplicate=False)}
+        refused: list[str] = []
+        with torch.inference_mode(False), torch.no_grad():
+            for unit in engine.units.values():
+                self._rename(unit, names)
+                for fqn, param, entry in unit.parameters:
+                    value = param.data
+                    if tuple(value.shape) != entry.shape or value.dtype != entry.dtype:
+                        refused.append(
+                            f"{fqn} ({tuple(value.shape)} {value.dtype}, was {entry.shape} {entry.dtype})"
+                        )
+                        continue
+                    self._write_back(unit, entry, value)
+                if unit.resident and unit.pack is not None:
+                    unit.pack.buffer.copy_(unit.storage)  # type: ignore[arg-type]
+        self._point_back(engine.units.values())
+        for unit in engine.units.values():
+            if unit.resident:
+                unit.storage_version = unit.weights_version()
+        engine.after_edit(self._added_parameters(names))
+        if refused:
+            raise UnsupportedOperationError(
+                f"an edit changed the shape or dtype of offloaded weights, which their host packs cannot "
+                f"hold: {', '.join(refused)}; those edits were discarded. Call flextensor.release(model), "
+                "change them, then offload again"
+            )
+
+    def _rename(self, unit: Unit, names: dict[int, str]) -> None:
+        """Follow the parameters of ``unit`` to their names now (a LoRA layer wraps a linear layer: its
+        weight becomes ``...base_layer.weight``); forget those no longer in the model."""
+        kept = []
+        for fqn, param, entry in unit.parameters:
+            name = names.get(id(param))
+            if name is None:
+                logger.info("offloaded parameter %s left the model while editing; no longer streamed", fqn)
+                self.engine.owner_of.pop(id(param), None)
+                unguard_parameter(param)
+                continue
+            kept.append((name, param, entry))
+            param.__dict__[_GUARD] = (param.__dict__[_GUARD][0], name)
+        unit.parameters[:] = kept
+
+    def _write_back(self, unit: Unit, entry: object, value: torch.Tensor) -> None:
+        if unit.pack is not None:
+            if unit.pack.shared:
+                unit.pack = self._private_pack(unit)
+            unit.pack.view(entry).copy_(value)  # type: ignore[arg-type]
+        if unit.resident:
+            target = entry.view(unit.storage)  # type: ignore[attr-defined]
+            if target.data_ptr() != value.data_ptr():
+                target.copy_(value)
+
+    def _private_pack(self, unit: Unit) -> UnitPack:
+        """A pack of this process's own with ``unit``'s weights: edits never reach a segment that other
+        processes read (share_host_memory)."""
+        shared = unit.pack
+        assert shared is not None
+        pack = UnitPack(unit.name, unit.entries, unit.nbytes, self.engine.store.pin)
+        pack.buffer.copy_(shared.buffer)
+        shared.free()
+        logger.info("unit %s was edited: it keeps a private host copy instead of the shared one", unit.name)
+        return pack
+
+    def _point_back(self, units: Iterable[Unit]) -> None:
+        """Make the parameters of ``units`` view their device bytes again (or hold placeholders while
+        the units have none, until the next layout)."""
+        device = self.engine.runtime.device
+        for unit in units:
+            if unit.storage is not None:
+                unit.point_parameters()
+            else:
+                for _, param, entry in unit.parameters:
+                    param.data = torch.empty(0, dtype=entry.dtype, device=device)
+
+    def _added_parameters(self, names: dict[int, str]) -> dict[str, str]:
+        """Parameters inside offload units that belong to no unit (added while editing): FQN -> why they
+        stay resident."""
+        engine = self.engine
+        streamed = {id(p) for u in engine.units.values() for _, p, _ in u.parameters}
+        added = {}
+        for unit in engine.units.values():
+            prefix = unit.name + "." if unit.name else ""
+            for name, param in unit.module.named_parameters():
+                fqn = prefix + name
+                if id(param) not in streamed and fqn not in engine.resident_reasons:
+                    added[fqn] = f"added inside unit {unit.name!r} after offload(); kept on the device"
+        return added

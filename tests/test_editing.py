@@ -1,0 +1,235 @@
+"""Changing an offloaded model's weights after offload(): peft and diffusers LoRA workflows on real classes,
+``flextensor.editing(model)``, and edits made without it (see [Note: editing streamed weights]).
+
+Every comparison is bitwise against the same sequence on the model without offload, under the tightest
+budget (every unit streams), so an edit that lands in another unit's weights or is lost at a reload shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flextensor
+from engine_helpers import LEARN, run_forwards
+from real_models import llama_inputs, tiny_llama, tiny_wan, wan_inputs
+from streaming import streaming_config
+
+peft = pytest.importorskip("peft")
+
+
+def lora_config(targets: tuple[str, ...] = ("q_proj", "v_proj")) -> object:
+    # init_lora_weights=False: random B, so an adapter changes the outputs (a merge that is lost shows)
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
+
+
+def offloaded_llama() -> torch.nn.Module:
+    model = tiny_llama()
+    return flextensor.offload(model, streaming_config(model))
+
+
+def editing_if(offloaded: bool, model: torch.nn.Module) -> object:
+    return flextensor.editing(model) if offloaded else torch.no_grad()
+
+
+def assert_streams_everything(model: torch.nn.Module) -> None:
+    status = flextensor.status(model)
+    assert status.phase == "inference" and not status.resident and status.streamed
+
+
+# -- peft on a transformers Llama --------------------------------------------------------------------------
+
+
+def peft_merge_sequence(model: torch.nn.Module, offloaded: bool) -> list[torch.Tensor]:
+    """Two adapters, switched, merged, unmerged: the outputs after each step."""
+    x = llama_inputs()
+    torch.manual_seed(5)
+    peft_model = peft.get_peft_model(model, lora_config(), adapter_name="first")
+    peft_model.add_adapter("second", lora_config(("k_proj", "o_proj")))
+    outs = [run_forwards(peft_model, x, LEARN + 1)[-1]]
+    if offloaded:
+        assert_streams_everything(model)
+    peft_model.set_adapter("second")
+    outs.append(run_forwards(peft_model, x, 2)[-1])
+    with editing_if(offloaded, model):
+        peft_model.merge_adapter()
+    outs.append(run_forwards(peft_model, x, 3)[-1])
+    with editing_if(offloaded, model):
+        peft_model.unmerge_adapter()
+    peft_model.set_adapter("first")
+    outs.append(run_forwards(peft_model, x, 3)[-1])
+    return outs
+
+
+def test_peft_adapters_merged_and_unmerged_in_editing_give_the_outputs_of_the_model_without_offload() -> None:
+    expected = peft_merge_sequence(tiny_llama(), offloaded=False)
+    got = peft_merge_sequence(offloaded_llama(), offloaded=True)
+    assert not torch.equal(expected[0], expected[1]) and not torch.equal(expected[1], expected[3])
+    for step, (out, ref) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(out, ref), f"step {step} differs from the model without offload"
+
+
+def test_peft_from_pretrained_and_load_adapter_on_an_offloaded_model_match_the_model_without_offload(
+    tmp_path,
+) -> None:
+    x = llama_inputs()
+    torch.manual_seed(5)
+    source = peft.get_peft_model(tiny_llama(), lora_config(), adapter_name="default")
+    source.add_adapter("other", lora_config(("up_proj",)))
+    source.save_pretrained(tmp_path)  # default in tmp_path, other in tmp_path/other
+
+    def sequence(model: torch.nn.Module, offloaded: bool) -> list[torch.Tensor]:
+        outs = [run_forwards(model, x, LEARN + 1)[-1]]
+        peft_model = peft.PeftModel.from_pretrained(model, tmp_path)
+        outs.append(run_forwards(peft_model, x, 2)[-1])
+        peft_model.load_adapter(tmp_path / "other", adapter_name="other")
+        peft_model.set_adapter("other")
+        outs.append(run_forwards(peft_model, x, 2)[-1])
+        with editing_if(offloaded, model):
+            peft_model.merge_adapter()
+        outs.append(run_forwards(peft_model, x, 2)[-1])
+        return outs
+
+    expected = sequence(tiny_llama(), offloaded=False)
+    model = offloaded_llama()
+    got = sequence(model, offloaded=True)
+    assert_streams_everything(model)
+    for step, (out, ref) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(out, ref), f"step {step} differs from the model without offload"
+    # The state dict reports every weight by its name now (peft renamed q_proj.weight to
+    # q_proj.base_layer.weight), with the merged values.
+    plain = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    plain.load_adapter(tmp_path / "other", adapter_name="other")
+    plain.set_adapter("other")
+    plain.merge_adapter()
+    reference = plain.state_dict()
+    state = model.state_dict()
+    assert "model.layers.0.self_attn.q_proj.base_layer.weight" in state
+    assert {"base_model.model." + key for key in state} == reference.keys()
+    for key, value in state.items():
+        assert torch.equal(value, reference["base_model.model." + key]), key
+
+
+# -- diffusers on a Wan transformer -------------------------------------------------------------------------
+
+
+def diffusers_lora_sequence(model: torch.nn.Module, offloaded: bool, adapters: dict) -> list[torch.Tensor]:
+    x = wan_inputs()
+    outs = [run_forwards(model, x, LEARN + 1)[-1]]
+    for name, state in adapters.items():
+        model.load_lora_adapter(state, prefix=None, adapter_name=name)
+    model.set_adapters(["a", "b"], weights=[1.0, 0.5])
+    outs.append(run_forwards(model, x, 2)[-1])
+    with editing_if(offloaded, model):
+        model.fuse_lora(lora_scale=0.7)
+    outs.append(run_forwards(model, x, 2)[-1])
+    with editing_if(offloaded, model):
+        model.unfuse_lora()
+    model.set_adapters("a")
+    outs.append(run_forwards(model, x, 2)[-1])
+    return outs
+
+
+def test_diffusers_lora_loaded_fused_and_unfused_on_an_offloaded_transformer_matches_without_offload() -> (
+    None
+):
+    from peft import get_peft_model_state_dict
+
+    adapters = {}
+    for seed, (name, targets) in enumerate({"a": ("to_q", "to_v"), "b": ("to_k", "ffn.net.0.proj")}.items()):
+        source = tiny_wan()
+        torch.manual_seed(seed)
+        source.add_adapter(peft.LoraConfig(r=4, target_modules=list(targets), init_lora_weights=False), name)
+        adapters[name] = get_peft_model_state_dict(source, adapter_name=name)
+    expected = diffusers_lora_sequence(tiny_wan(), False, adapters)
+    model = tiny_wan()
+    model = flextensor.offload(model, streaming_config(model))
+    got = diffusers_lora_sequence(model, True, adapters)
+    assert_streams_everything(model)
+    assert not torch.equal(expected[1], expected[0])
+    for step, (out, ref) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(out, ref), f"step {step} differs from the model without offload"
+
+
+# -- edits by hand ------------------------------------------------------------------------------------------
+
+
+def test_an_edit_inside_editing_survives_every_reload_of_its_unit() -> None:
+    x = llama_inputs()
+    plain = tiny_llama()
+    with torch.no_grad():
+        plain.model.layers[1].mlp.up_proj.weight.mul_(2)
+    expected = run_forwards(plain, x, 1)[0]
+    model = offloaded_llama()
+    run_forwards(model, x, LEARN)
+    with flextensor.editing(model), torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(2)
+    outs = run_forwards(model, x, 4)  # each forward reloads every unit from its host pack
+    assert_streams_everything(model)
+    assert all(torch.equal(out, expected) for out in outs)
+    assert torch.equal(
+        model.state_dict()["model.layers.1.mlp.up_proj.weight"], plain.model.layers[1].mlp.up_proj.weight
+    )
+
+
+def test_load_state_dict_inside_editing_writes_the_offloaded_weights() -> None:
+    x = llama_inputs()
+    other = tiny_llama(seed=3)
+    expected = run_forwards(other, x, 1)[0]
+    model = offloaded_llama()
+    run_forwards(model, x, LEARN)
+    with flextensor.editing(model):
+        model.load_state_dict(other.state_dict())
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+
+def test_an_in_place_edit_outside_editing_raises_before_the_next_forward_and_is_discarded() -> None:
+    x = llama_inputs()
+    expected = run_forwards(tiny_llama(), x, 1)[0]
+    model = offloaded_llama()
+    run_forwards(model, x, LEARN + 1)
+    ran = []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: ran.append(1))
+    with torch.no_grad():
+        model.model.layers[2].mlp.up_proj.weight.mul_(2)  # views an arena range another unit may occupy
+    with pytest.raises(
+        flextensor.UnsupportedOperationError, match=r"'model\.layers\.2'.*flextensor\.editing"
+    ):
+        run_forwards(model, x, 1)
+    assert not ran, "the refused forward computed"
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+
+def test_a_forward_inside_editing_is_refused() -> None:
+    model = offloaded_llama()
+    run_forwards(model, llama_inputs(), LEARN)
+    with (
+        flextensor.editing(model),
+        pytest.raises(flextensor.UnsupportedOperationError, match="after the with"),
+    ):
+        run_forwards(model, llama_inputs(), 1)
+
+
+def test_peft_merge_outside_editing_is_refused_before_it_writes_anything() -> None:
+    x = llama_inputs()
+    model = offloaded_llama()
+    torch.manual_seed(5)
+    peft_model = peft.get_peft_model(model, lora_config())
+    expected = run_forwards(peft_model, x, LEARN + 1)[-1]
+    with pytest.raises(flextensor.UnsupportedOperationError, match=r"\.data .*flextensor\.editing"):
+        peft_model.merge_adapter()
+    assert all(torch.equal(out, expected) for out in run_forwards(peft_model, x, 3))
+
+
+def test_a_write_through_data_outside_editing_is_refused_at_once_and_release_gives_plain_parameters() -> None:
+    model = offloaded_llama()
+    run_forwards(model, llama_inputs(), LEARN)
+    weight = model.model.layers[1].mlp.up_proj.weight
+    with pytest.raises(flextensor.UnsupportedOperationError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        weight.data.mul_(2)
+    with flextensor.editing(model):
+        weight.data.mul_(2)  # allowed, and kept
+    flextensor.release(model)
+    assert type(weight) is torch.nn.Parameter
+    expected = tiny_llama().model.layers[1].mlp.up_proj.weight * 2
+    assert torch.equal(weight.data, expected)
