@@ -330,3 +330,37 @@ def test_host_memory_grows_by_the_weights_only(tmp_path: Path) -> None:
     assert growth <= 1.1 * weights, (
         f"RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
     )
+
+
+# -- on the GPU machine -------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)"
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", ["llama", "llama_sharded"])
+def test_cuda_meta_llama_from_checkpoint_is_bitwise(layout: str, saved, llama) -> None:
+    """Packs page-locked from the reading threads, resident weights moved to the GPU from them."""
+    with torch.no_grad():
+        expected = first_tensor(tiny_llama().cuda()(llama_inputs().cuda()))
+    model = meta_llama(llama[0])
+    config = flextensor.OffloadConfig(
+        **{**streaming_config(model, ["model.layers.*"]).model_dump(), "device": "cuda"}
+    )
+    model = flextensor.offload(model, config, weights=saved[layout])
+    assert_all_equal(run_forwards(model, llama_inputs().cuda(), LEARN + 1), expected)
+    units = flextensor.status(model).units
+    assert all(u.placement == "streamed" and u.pinned for u in units)
+    assert model.lm_head.weight.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_probe_measures_parallel_registration() -> None:
+    from flextensor.probe import measure_parallel_host_register
+
+    measured = measure_parallel_host_register(16 << 20, threads=4, repeats=1)
+    assert measured.nbytes == 4 * (16 << 20) and measured.gbps > 0
