@@ -185,3 +185,22 @@ def test_method_specs_and_sizes_parse() -> None:
     for bad in ("nope", "ours_budget", "ours/steps=3", "ours/compile=fast"):
         with pytest.raises(ValueError):
             parse_method(bad)
+
+
+def test_load_benchmark_records_both_methods(tmp_path: Path) -> None:
+    """benchmarks/load.py, the load-time comparison the lead runs on the GPU, on a tiny workload."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'src'}:{REPO}",
+        "FLEXTENSOR_BENCH_CACHE": str(tmp_path / "cache"),
+    }
+    result = tmp_path / "load.json"
+    cmd = [sys.executable, "-m", "benchmarks.load", "--workload", "wan_tiny", "--device", "cpu"]
+    run = subprocess.run(
+        [*cmd, "--result", str(result)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads(result.read_text())
+    assert record["ours"]["offload_s"] > 0 and record["ours"]["forwards"][-1]["phase_after"] == "inference"
+    assert record["native"]["load_s"] > 0 and len(record["native"]["forwards"]) == 2
+    assert "GB/s" in run.stdout

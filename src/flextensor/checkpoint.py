@@ -226,7 +226,7 @@ def read_checkpoint(
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flextensor-read") as pool:
             futures: dict[Future, tuple[str, int, int]] = {}
             for index, (name, named) in enumerate(units):
-                future = pool.submit(_read_unit, load, fds, name, named, pin)
+                future = pool.submit(_read_unit, load, fds, name, named, pin, device)
                 futures[future] = ("unit", index, sum(load.source_of(p).nbytes for _, p in named))
             for tensor in resident:
                 future = pool.submit(_read_tensor, load, fds, tensor, device)
@@ -272,7 +272,12 @@ def _read_unit(
     name: str,
     named: Sequence[tuple[str, torch.Tensor]],
     pin: bool,
+    device: torch.device,
 ) -> UnitPack:
+    if pin and device.type == "cuda":
+        # Page-locking registers the memory with the calling thread's current device; a pool thread
+        # starts on device 0, whatever the target.
+        torch.cuda.set_device(device)
     entries, nbytes = unit_layout(load, named)
     pack = UnitPack(name, entries, nbytes, pin)
     try:
