@@ -275,7 +275,7 @@ def test_a_pipeline_with_weights_is_refused(saved, llama) -> None:
 
 # -- host memory -------------------------------------------------------------------------------------------
 
-RSS_LAYERS, RSS_IN, RSS_OUT = 32, 1024, 2048  # 32 units of 8 MiB: 256 MiB of float32 weights
+RSS_LAYERS, RSS_IN, RSS_OUT = 64, 1024, 1024  # 64 units of 4 MiB: 256 MiB of float32 weights, an 8 MiB arena
 
 _RSS_CHILD = """
 import sys, threading, time

@@ -313,6 +313,6 @@ def _read_into(fd: int, source: CheckpointTensor, dest: memoryview) -> None:
                 f"{source.file} ended while reading {source.name!r} (byte {offset} of the file): it was "
                 "truncated or replaced while loading; save it again"
             )
-        if DROP_PAGE_CACHE:
+        if DROP_PAGE_CACHE and hasattr(os, "posix_fadvise"):  # Linux; macOS has no fadvise
             os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
         done += n

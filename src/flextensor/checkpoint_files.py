@@ -160,15 +160,18 @@ def _shards_of(index: Path) -> tuple[Path, ...]:
 
 def read_header(file: Path) -> list[CheckpointTensor]:
     """The tensors of one safetensors file, with absolute byte ranges; checked against the file's size."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _corrupt(file, f"it has {size} bytes, fewer than the 8 of the header length")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise _corrupt(file, f"its header length field says {length} bytes, and the file has {size}")
-        raw = f.read(length)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _corrupt(file, f"it has {size} bytes, fewer than the 8 of the header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise _corrupt(file, f"its header length field says {length} bytes, and the file has {size}")
+            raw = f.read(length)
+    except OSError as error:
+        raise CheckpointError(f"cannot read {file}: {error}") from error
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as error:
