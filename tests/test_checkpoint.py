@@ -178,6 +178,17 @@ def test_mismatched_checkpoint_is_refused_naming_the_tensors(case: str, tmp_path
     _untouched(model, before)
 
 
+def test_keys_the_model_class_ignores_are_not_unexpected(tmp_path: Path, wan) -> None:
+    """diffusers' Wan lists ``norm_added_q`` among the keys to ignore on load, as its from_pretrained does."""
+    reference, expected = wan
+    state = {**reference.state_dict(), "blocks.0.attn2.norm_added_q.weight": torch.ones(16)}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    model = flextensor.offload(
+        meta_wan(reference), flextensor.OffloadConfig(device="cpu"), weights=tmp_path / "w.safetensors"
+    )
+    assert_all_equal(run_forwards(model, wan_inputs(), 1), expected)
+
+
 def _corrupt_header(path: Path) -> None:
     raw = path.read_bytes()
     path.write_bytes(raw[:8] + b"{not json" + raw[17:])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
@@ -96,11 +97,24 @@ def plan_checkpoint_load(model: nn.Module, weights: str | os.PathLike[str]) -> C
                     f"model {tensor.dtype} {list(tensor.shape)}"
                 )
         sources[key] = present[0]
-    unexpected = [name for name in checkpoint.tensors if name not in state]
+    unexpected = _not_ignored(model, [name for name in checkpoint.tensors if name not in state])
     if missing or unexpected or mismatched:
         raise CheckpointError(_mismatch_message(model, checkpoint, missing, unexpected, mismatched))
     computed = _computed_buffers(model, state)
     return CheckpointLoad(checkpoint.path, sources, computed, sum(s.nbytes for s in sources.values()))
+
+
+def _not_ignored(model: nn.Module, unexpected: list[str]) -> list[str]:
+    """``unexpected`` without the keys the model's class says to ignore (transformers' list of keys older
+    checkpoints hold and the model no longer has, e.g. per-layer rotary tables), which are never read."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    ignored = [name for name in unexpected if any(re.search(p, name) for p in patterns)]
+    if ignored:
+        logger.info(
+            "not reading %d checkpoint tensor(s) the model ignores: %s", len(ignored), ignored[:_SHOWN]
+        )
+    skipped = set(ignored)
+    return [name for name in unexpected if name not in skipped]
 
 
 def _mismatch_message(
