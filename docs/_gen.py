@@ -68,6 +68,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "BudgetError",
             "PlanError",
             "ProfileError",
+            "CheckpointError",
             "PinningError",
             "SharedMemoryError",
             "ConcurrentForwardError",

@@ -209,3 +209,22 @@ def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path
         assert set(last["phase_s"]) == {"encode", "transformer", "transformer_2", "decode"}
     ours = runs["ours_budget:600KiB"]
     assert ours["phase"] == "inference" and ours["bytes_streamed_per_step"] > 0
+
+
+def test_load_benchmark_records_both_methods(tmp_path: Path) -> None:
+    """benchmarks/load.py, the load-time comparison the lead runs on the GPU, on a tiny workload."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'src'}:{REPO}",
+        "FLEXTENSOR_BENCH_CACHE": str(tmp_path / "cache"),
+    }
+    result = tmp_path / "load.json"
+    cmd = [sys.executable, "-m", "benchmarks.load", "--workload", "wan_tiny", "--device", "cpu"]
+    run = subprocess.run(
+        [*cmd, "--result", str(result)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads(result.read_text())
+    assert record["ours"]["offload_s"] > 0 and record["ours"]["forwards"][-1]["phase_after"] == "inference"
+    assert record["native"]["load_s"] > 0 and len(record["native"]["forwards"]) == 2
+    assert "GB/s" in run.stdout

@@ -13,7 +13,7 @@ from .bandwidth import probe_link
 from .config import OffloadConfig
 from .device import resolve_device, resolve_target
 from .engine import OffloadEngine
-from .errors import AlreadyOffloadedError, NotOffloadedError
+from .errors import AlreadyOffloadedError, ConfigError, NotOffloadedError, UnsupportedOperationError
 from .hooks import entry_method_names
 from .packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
 from .selection import select
@@ -51,7 +51,12 @@ def compiled_original(model: nn.Module) -> nn.Module:
     return model
 
 
-def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
+def offload(
+    model: nn.Module,
+    config: OffloadConfig | None = None,
+    *,
+    weights: str | os.PathLike[str] | None = None,
+) -> nn.Module:
     """Offload ``model``'s selected weights to host RAM and stream them to the device as it runs.
 
     Returns the same object, patched in place. After this call the selected parameters live in (pinned)
@@ -63,10 +68,20 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     (``torch.compile(model)``, ``model.compile()``): see docs/compile.md. ``model`` may also be a
     diffusers pipeline or a mapping of names to modules: every component is offloaded under one budget
     (see docs/pipelines.md); ``release``, ``phase`` and ``report`` take it too.
+
+    ``weights``: a safetensors checkpoint (a file, a sharded folder with its ``*.index.json``, or a
+    transformers or diffusers model folder) to read the weights from, straight into host packs and onto the
+    device, with no other copy of the model in RAM; ``model`` may then be built on the meta device (see
+    docs/loading.md). It must match the model exactly: CheckpointError, before anything changes, otherwise.
     """
     from .pipelines import components_of, offload_pipeline
 
     if components_of(model) is not None:  # a diffusers pipeline, or a mapping of names to modules
+        if weights is not None:
+            raise UnsupportedOperationError(
+                "weights= takes the checkpoint of one model, not of a pipeline: load the pipeline's weights "
+                "the usual way, or offload each component with its own weights= folder"
+            )
         return offload_pipeline(model, config if config is not None else OffloadConfig())
     wrapper, model = model, compiled_original(model)
     # Before check_offloadable: that one also refuses a model already offloaded (as a module of an
@@ -81,7 +96,17 @@ def offload(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     entry_methods = entry_method_names(model, config.entry_methods, explicit)
     target = resolve_target(config)
     selection = select(model, config.include_patterns, config.exclude_patterns)
-    with Packing(model, selection, target) as packing:
+    checkpoint = None
+    if weights is not None:
+        from .checkpoint import plan_checkpoint_load
+
+        if config.share_host_memory:
+            raise ConfigError(
+                "share_host_memory=True with weights= is not supported yet: load the weights first "
+                "(or leave share_host_memory off)"
+            )
+        checkpoint = plan_checkpoint_load(model, weights)
+    with Packing(model, selection, target, checkpoint) as packing:
         units = packing.pack_units(config)
         packing.move_resident_to(target.device)
         resident = {name: "not selected for offloading" for name in selection.resident_parameters}

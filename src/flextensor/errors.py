@@ -13,6 +13,8 @@
     ├── BudgetError                       the memory budget cannot hold what this model needs at this input
     ├── PlanError (ValueError)            a plan, layout or measurement that is inconsistent in itself
     ├── ProfileError (ValueError)         a saved profile is unreadable, of another version or model
+    ├── CheckpointError (ValueError)      weights= names no checkpoint, a corrupt one, or one that does not
+    │                                     fit the model (missing, unexpected, mis-shaped or mis-typed tensors)
     ├── PinningError                      the OS refused to page-lock host memory (memlock limit)
     ├── SharedMemoryError                 the node-wide shared host copy cannot be created or attached
     ├── ConcurrentForwardError            a forward entered from a second thread while one runs
@@ -63,6 +65,10 @@ class PlanError(FlexTensorError, ValueError):
 
 class ProfileError(FlexTensorError, ValueError):
     """A saved profile cannot be used: unreadable, another version, or another model."""
+
+
+class CheckpointError(FlexTensorError, ValueError):
+    """The checkpoint given as ``weights=`` cannot be read, or does not match the model."""
 
 
 class PinningError(FlexTensorError, RuntimeError):

@@ -4,14 +4,16 @@
 parameters (into private pinned packs, or into the node's shared segment with ``share_host_memory``),
 moves the parameters and buffers that never stream to the device, and records everything it changed: if
 anything fails before :meth:`Packing.commit`, leaving the context puts every parameter and buffer back
-where and as it was (values, device, strides) and frees every pack.
+where and as it was (values, device, strides) and frees every pack. With ``weights`` (a checkpoint matched
+to the model, see checkpoint.py) the packs and the resident tensors are read from the checkpoint instead of
+copied from the model; meta parameters then become new parameter objects, put back on failure.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +25,9 @@ from .host_store import PackedParameter, UnitPack, pack_unit
 from .progress import progress_bar
 from .selection import Selection
 from .units import Unit
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointLoad
 
 __all__ = ["Packing", "check_offloadable", "mark_offloaded", "unmark_offloaded"]
 
@@ -74,8 +79,11 @@ def unmark_offloaded(model: nn.Module) -> None:
 class Packing:
     """Pack a selection's units and move the rest to the device; undo it all unless committed."""
 
-    def __init__(self, model: nn.Module, selection: Selection, target: Target) -> None:
+    def __init__(
+        self, model: nn.Module, selection: Selection, target: Target, weights: CheckpointLoad | None = None
+    ) -> None:
         self.model = model
+        self.weights = weights
         self.selection = selection
         self.target = target
         self.runtime: DeviceRuntime = target.runtime
@@ -100,7 +108,8 @@ class Packing:
     def pack_units(self, config: OffloadConfig) -> list[Unit]:
         """Put every unit's parameters in host packs: private ones, or with ``config.share_host_memory``
         ranges of the node's shared segment (which meta parameters may attach to, see shared_store)."""
-        self._check_resident_have_data()
+        if self.weights is None:
+            self._check_resident_have_data()
         pin = self.target.pin
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
@@ -110,8 +119,13 @@ class Packing:
         ]
         total = sum(p.numel() * p.element_size() for _, named in named_units for _, p in named)
         what = "Packing and pinning weights" if pin else "Packing weights"
+        if self.weights is not None:
+            total, what = self.weights.nbytes, "Reading weights" + (" into pinned memory" if pin else "")
         with progress_bar(what, total=total, unit="bytes") as bar:
-            if config.share_host_memory:
+            if self.weights is not None:
+                self._load_checkpoint(self.weights, named_units, modules, bar.advance)
+                self._check_resident_have_data()
+            elif config.share_host_memory:
                 from .shared_store import pack_shared
 
                 patterns = [list(config.include_patterns), list(config.exclude_patterns)]
@@ -127,6 +141,62 @@ class Packing:
                     self._add_unit(name, modules[name], named, pack)
                     bar.advance(sum(e.nbytes for e in pack.entries))
         return self.units
+
+    def _load_checkpoint(
+        self,
+        weights: CheckpointLoad,
+        named_units: list[tuple[str, list[tuple[str, nn.Parameter]]]],
+        modules: dict[str, nn.Module],
+        advance: Callable[[int], None],
+    ) -> None:
+        """Read the units' packs and the resident tensors from the checkpoint; point the model at them."""
+        from .checkpoint import read_checkpoint
+
+        streamed = {id(p) for _, named in named_units for _, p in named}
+        resident: dict[int, torch.Tensor] = {}
+        for _, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if id(tensor) in weights.sources and id(tensor) not in streamed:
+                resident.setdefault(id(tensor), tensor)
+        device = self.target.device
+        packs, values = read_checkpoint(
+            weights, named_units, list(resident.values()), self.target.pin, device, advance
+        )
+        # Everything is read: from here on only pointers change, and each change is recorded for undo.
+        self._packs.extend(packs)
+        places = _places(self.model)
+        for (name, named), pack in zip(named_units, packs, strict=True):
+            placed = [
+                (fqn, self._assign_parameter(param, pack.view(entry), places[id(param)]))
+                for (fqn, param), entry in zip(named, pack.entries, strict=True)
+            ]
+            self._add_unit(name, modules[name], placed, pack)
+        for key, tensor in resident.items():
+            if isinstance(tensor, nn.Parameter):
+                self._assign_parameter(tensor, values[key], places[key])
+            else:
+                self._assign_buffer(values[key], places[key])
+        for key, value in weights.computed.items():
+            self._assign_buffer(value.to(device), places[key])
+
+    def _assign_parameter(
+        self, param: nn.Parameter, value: torch.Tensor, places: list[tuple[nn.Module, str]]
+    ) -> nn.Parameter:
+        """``param`` holding ``value``: the same object when it has data, a new one for a meta parameter
+        (a meta tensor cannot take real data), put in every module that holds it (tied weights)."""
+        if param.device.type != "meta":
+            self._moved.append((param, param.data))
+            param.data = value
+            return param
+        new = nn.Parameter(value, requires_grad=param.requires_grad)
+        for module, key in places:
+            self._swapped.append((module, key, param, new))
+            module._parameters[key] = new
+        return new
+
+    def _assign_buffer(self, value: torch.Tensor, places: list[tuple[nn.Module, str]]) -> None:
+        for module, key in places:
+            self._moved_buffers.append((module, key, module._buffers[key]))  # type: ignore[arg-type]
+            module._buffers[key] = value
 
     def _add_unit(
         self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], pack: UnitPack
@@ -180,9 +250,7 @@ class Packing:
             return
         for callback in self._undo_first:
             callback()
-        for param, original in self._moved:
-            param.data = original
-        for module, key, buf in self._moved_buffers:
+        for module, key, buf in reversed(self._moved_buffers):
             module._buffers[key] = buf
         for module, key, original_param, _ in self._swapped:
             module._parameters[key] = original_param
@@ -197,6 +265,20 @@ class Packing:
                     continue
                 original = self._original_devices[id(param)]
                 param.data = unit.kept(entry).to(original, copy=True)
+        # Last: a parameter read from a checkpoint gets its own values back, not the packed ones.
+        for param, original in self._moved:
+            param.data = original
         # Freeing is idempotent; a pack the engine built again is only on its unit.
         for pack in [*self._packs, *(u.pack for u in self.units if u.pack is not None)]:
             pack.free()
+
+
+def _places(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id of each parameter and buffer -> every (module, attribute) that holds it (tied ones: several)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in {id(m): m for _, m in model.named_modules(remove_duplicate=False)}.values():
+        for store in (module._parameters, module._buffers):
+            for key, tensor in store.items():
+                if tensor is not None:
+                    places.setdefault(id(tensor), []).append((module, key))
+    return places

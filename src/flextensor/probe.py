@@ -3,6 +3,7 @@
 Measures, at each requested size, host-to-device and device-to-host copies from pinned and from pageable
 host memory (median of a few copies, timed with CUDA events), and how fast host memory can be page-locked:
 ``cudaHostRegister`` on a fresh anonymous mapping, the way ``flextensor.offload`` pins each unit, and
+the same from several threads at once (as ``offload(weights=...)`` pins, a unit per reading thread), and
 ``torch.Tensor.pin_memory()``. Streaming speed is bounded by the first; the time ``offload()`` spends
 before the first forward, by the second.
 
@@ -16,6 +17,7 @@ import mmap
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,6 +37,7 @@ __all__ = [
     "ProbeResult",
     "measure_copy",
     "measure_host_register",
+    "measure_parallel_host_register",
     "measure_pin_memory",
     "run_probe",
 ]
@@ -213,6 +216,31 @@ def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasure
     return PinMeasurement("cudaHostRegister (as offload pins)", size, statistics.median(times))
 
 
+def measure_parallel_host_register(nbytes: int, threads: int, repeats: int = PIN_REPEATS) -> PinMeasurement:
+    """Median wall time to ``cudaHostRegister`` ``threads`` fresh mappings of ``nbytes`` each, all at once
+    from ``threads`` threads: how ``offload(weights=...)`` pins, a unit per reading thread. Set against
+    :func:`measure_host_register` it says whether the driver registers in parallel."""
+    import torch
+
+    _cuda_device("cuda")
+    device = torch.cuda.current_device()
+
+    def one() -> float:
+        torch.cuda.set_device(device)  # a new thread starts on device 0
+        return measure_host_register(nbytes, repeats=1).seconds
+
+    times = []
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            list(pool.map(lambda _: one(), range(threads)))
+            times.append(time.perf_counter() - begin)
+    size = -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+    return PinMeasurement(
+        f"cudaHostRegister, {threads} threads at once", size * threads, statistics.median(times)
+    )
+
+
 def _close(mapping: mmap.mmap) -> None:
     # A tensor still viewing the mapping keeps it exported; then it is unmapped when that tensor dies.
     with contextlib.suppress(BufferError):
@@ -252,6 +280,8 @@ def run_probe(
     """
     import torch
 
+    from .checkpoint import READ_THREADS
+
     dev = _cuda_device(device)
     sizes = sorted(set(sizes))
     if not sizes or sizes[0] <= 0:
@@ -266,13 +296,15 @@ def run_probe(
     ]
     copies = []
     pinning = []
-    with progress_bar("Probing the host-device link", len(sizes) * len(kinds) + 2) as bar:
+    with progress_bar("Probing the host-device link", len(sizes) * len(kinds) + 3) as bar:
         for size in sizes:
             for direction, pinned in kinds:
                 copies.append(measure_copy(dev, size, direction, pinned, repeats))
                 bar.advance(1)
         with torch.cuda.device(dev):
             pinning.append(measure_host_register(sizes[-1]))
+            bar.advance(1)
+            pinning.append(measure_parallel_host_register(sizes[-1], READ_THREADS))
             bar.advance(1)
             pinning.append(measure_pin_memory(sizes[-1]))
             bar.advance(1)

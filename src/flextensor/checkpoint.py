@@ -1,0 +1,332 @@
+"""``offload(model, config, weights=PATH)``: a safetensors checkpoint read straight into packs and the device.
+
+[Note: reading a checkpoint into packs]
+The usual way to load (``load_file`` then ``load_state_dict``) holds the model in host RAM once as loaded
+tensors and once more as packs, and a memory-mapped load adds the checkpoint's page cache, mapped into the
+process, on top. Here the model's tensors are matched to the checkpoint's first, from headers alone (every
+mismatch is reported before anything is allocated); then each offload unit's pack is allocated and its
+tensors' bytes are read with plain ``preadv`` calls straight into it, and every parameter or buffer that
+stays on the device is read into a host tensor of its own size and moved there. Reads run in a small
+thread pool, a unit (allocate, page-lock, read) per task, so page-locking one unit overlaps reading others.
+Each range read is dropped from the page cache at once (``POSIX_FADV_DONTNEED``): with a cold cache the
+file's pages would otherwise stay in RAM next to the packs, which cgroup limits count.
+
+[Note: what a meta model must provide]
+Every parameter and persistent buffer comes from the checkpoint (tied aliases need one of their names
+there, as transformers saves them). Non-persistent buffers (rotary tables) are not in checkpoints: a real
+one is kept; one on the meta device is computed again by building the model's class once more from its
+``config`` (transformers and diffusers models have one) with parameters on the meta device and buffers
+real, which is what ``from_pretrained`` computes them with. A meta buffer nothing can fill is an error that
+says to build the model with buffers real (``accelerate.init_empty_weights(include_buffers=False)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint_files import Checkpoint, CheckpointTensor, open_checkpoint
+from .errors import CheckpointError
+from .host_store import PackedParameter, UnitPack, pack_layout
+
+__all__ = ["CheckpointLoad", "plan_checkpoint_load"]
+
+logger = logging.getLogger("flextensor")
+
+READ_THREADS = 8
+"""Concurrent reads: enough to keep an NVMe drive's queue busy and to page-lock packs while others are read;
+more adds nothing on one drive."""
+
+READ_CHUNK_BYTES = 64 * 2**20
+"""Bytes per read call: large enough for sequential throughput, small enough that the page cache a read
+fills is dropped soon after."""
+
+DROP_PAGE_CACHE = True
+"""Drop each range from the page cache once it is read (see [Note: reading a checkpoint into packs])."""
+
+_SHOWN = 8  # names listed per kind of problem in an error
+
+
+@dataclass(frozen=True)
+class CheckpointLoad:
+    """What ``offload(weights=...)`` reads, decided from headers alone.
+
+    ``sources``: id of each model parameter and persistent buffer -> where its bytes are. ``computed``: id of
+    each meta non-persistent buffer -> its value, computed again (see [Note: what a meta model must provide]).
+    """
+
+    path: Path
+    sources: dict[int, CheckpointTensor]
+    computed: dict[int, torch.Tensor]
+    nbytes: int
+
+    def source_of(self, tensor: torch.Tensor) -> CheckpointTensor:
+        return self.sources[id(tensor)]
+
+
+def plan_checkpoint_load(model: nn.Module, weights: str | os.PathLike[str]) -> CheckpointLoad:
+    """Match ``model``'s tensors to the checkpoint at ``weights``; CheckpointError naming every missing,
+    unexpected, mis-shaped or mis-typed tensor, and every meta buffer nothing can fill. Reads headers
+    only and changes nothing."""
+    checkpoint = open_checkpoint(weights)
+    state = model.state_dict(keep_vars=True)  # every persistent name, tied aliases included
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), (tensor, []))[1].append(name)
+    missing: list[str] = []
+    mismatched: list[str] = []
+    sources: dict[int, CheckpointTensor] = {}
+    for key, (tensor, names) in groups.items():
+        present = [checkpoint.tensors[n] for n in names if n in checkpoint.tensors]
+        if not present:
+            missing.append(" = ".join(names))
+            continue
+        for source in present:
+            if tuple(tensor.shape) != source.shape or tensor.dtype != source.dtype:
+                mismatched.append(
+                    f"{source.name}: checkpoint {source.dtype} {list(source.shape)}, "
+                    f"model {tensor.dtype} {list(tensor.shape)}"
+                )
+        sources[key] = present[0]
+    unexpected = _not_ignored(model, [name for name in checkpoint.tensors if name not in state])
+    if missing or unexpected or mismatched:
+        raise CheckpointError(_mismatch_message(model, checkpoint, missing, unexpected, mismatched))
+    computed = _computed_buffers(model, state)
+    return CheckpointLoad(checkpoint.path, sources, computed, sum(s.nbytes for s in sources.values()))
+
+
+def _not_ignored(model: nn.Module, unexpected: list[str]) -> list[str]:
+    """``unexpected`` without the keys the model's class says to ignore (transformers' list of keys older
+    checkpoints hold and the model no longer has, e.g. per-layer rotary tables), which are never read."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    ignored = [name for name in unexpected if any(re.search(p, name) for p in patterns)]
+    if ignored:
+        logger.info(
+            "not reading %d checkpoint tensor(s) the model ignores: %s", len(ignored), ignored[:_SHOWN]
+        )
+    skipped = set(ignored)
+    return [name for name in unexpected if name not in skipped]
+
+
+def _mismatch_message(
+    model: nn.Module, checkpoint: Checkpoint, missing: list[str], unexpected: list[str], mismatched: list[str]
+) -> str:
+    parts = []
+    for what, names in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)):
+        if names:
+            more = f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
+            parts.append(f"{len(names)} {what}: {'; '.join(names[:_SHOWN])}{more}")
+    fix = "pass the checkpoint of this model"
+    if mismatched and not missing and not unexpected:
+        dtypes = {s.split("checkpoint ")[1].split(" ")[0] for s in mismatched}
+        if len(dtypes) == 1:
+            fix = (
+                "build the model in the checkpoint's dtype "
+                f"(on the meta device this is free: model.to({dtypes.pop()}))"
+            )
+    return (
+        f"the checkpoint {checkpoint.path} does not match {type(model).__name__}: {' | '.join(parts)}; "
+        f"{fix}. Nothing was changed."
+    )
+
+
+def _computed_buffers(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Values for the model's meta non-persistent buffers (see [Note: what a meta model must provide])."""
+    persistent = {id(t) for t in state.values()}
+    wanted = {
+        name: buf
+        for name, buf in model.named_buffers(remove_duplicate=False)
+        if buf.device.type == "meta" and id(buf) not in persistent
+    }
+    if not wanted:
+        return {}
+    twin = _buffer_twin(model)
+    twin_buffers = dict(twin.named_buffers(remove_duplicate=False)) if twin is not None else {}
+    computed: dict[int, torch.Tensor] = {}
+    unfilled = []
+    for name, buf in wanted.items():
+        value = twin_buffers.get(name)
+        if value is None or value.device.type == "meta" or value.shape != buf.shape:
+            unfilled.append(name)
+        else:
+            computed[id(buf)] = value.to(buf.dtype)  # the model's dtype: it may have been .to(dtype) on meta
+    if unfilled:
+        raise CheckpointError(
+            f"buffer(s) {', '.join(unfilled[:_SHOWN])} of {type(model).__name__} are on the meta device, "
+            "are not saved in checkpoints, and flextensor cannot compute them (it rebuilds transformers and "
+            "diffusers models from their config); build the model with its buffers real, e.g. under "
+            "accelerate.init_empty_weights(include_buffers=False) instead of torch.device('meta')"
+        )
+    return computed
+
+
+def _buffer_twin(model: nn.Module) -> nn.Module | None:
+    """The model's class built again from its config with meta parameters and real buffers, or None."""
+    config = getattr(model, "config", None)
+    cls = type(model)
+    if config is None:
+        return None
+    from_config = getattr(cls, "from_config", None)  # diffusers' ModelMixin
+    try:
+        with _parameters_on_meta():
+            if callable(from_config):
+                return from_config(config)
+            if hasattr(cls, "config_class"):  # transformers' PreTrainedModel
+                return cls(config)
+    except Exception as error:  # the class may want more than its config; then nothing can fill the buffers
+        logger.debug("could not rebuild %s to compute its buffers: %s", cls.__name__, error)
+    return None
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device and their buffers real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+# -- reading -------------------------------------------------------------------------------------------
+
+
+def unit_layout(
+    load: CheckpointLoad, named: Sequence[tuple[str, torch.Tensor]]
+) -> tuple[tuple[PackedParameter, ...], int]:
+    """The pack layout of a unit read from the checkpoint: its tensors contiguous, as they are stored."""
+    placeholders = []
+    for name, param in named:
+        source = load.source_of(param)
+        placeholders.append((name, torch.empty(source.shape, dtype=source.dtype, device="meta")))
+    return pack_layout(placeholders)
+
+
+def read_checkpoint(
+    load: CheckpointLoad,
+    units: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]]]],
+    resident: Sequence[torch.Tensor],
+    pin: bool,
+    device: torch.device,
+    advance: Callable[[int], None],
+) -> tuple[list[UnitPack], dict[int, torch.Tensor]]:
+    """Read every unit into a new pack and every ``resident`` tensor onto ``device``, in parallel.
+
+    Returns the packs (in ``units`` order) and id(resident tensor) -> its value on ``device``. On any
+    failure every pack read so far is freed and the error raised; nothing in the model has changed.
+    """
+    files = {source.file for source in load.sources.values()}
+    fds: dict[Path, int] = {}
+    try:
+        for file in sorted(files):
+            fds[file] = os.open(file, os.O_RDONLY)
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flextensor-read") as pool:
+            futures: dict[Future, tuple[str, int, int]] = {}
+            for index, (name, named) in enumerate(units):
+                future = pool.submit(_read_unit, load, fds, name, named, pin, device)
+                futures[future] = ("unit", index, sum(load.source_of(p).nbytes for _, p in named))
+            for tensor in resident:
+                future = pool.submit(_read_tensor, load, fds, tensor, device)
+                futures[future] = ("tensor", id(tensor), load.source_of(tensor).nbytes)
+            return _gather(futures, len(units), advance)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _gather(
+    futures: dict[Future, tuple[str, int, int]], n_units: int, advance: Callable[[int], None]
+) -> tuple[list[UnitPack], dict[int, torch.Tensor]]:
+    packs: list[UnitPack | None] = [None] * n_units
+    values: dict[int, torch.Tensor] = {}
+    try:
+        for future in as_completed(futures):
+            kind, key, nbytes = futures[future]
+            if kind == "unit":
+                packs[key] = future.result()
+            else:
+                values[key] = future.result()
+            advance(nbytes)
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        for future in futures:
+            if (
+                not future.cancelled()
+                and future.exception() is None
+                and isinstance(future.result(), UnitPack)
+            ):
+                future.result().free()
+        raise
+    assert all(pack is not None for pack in packs)
+    return packs, values  # type: ignore[return-value]
+
+
+def _read_unit(
+    load: CheckpointLoad,
+    fds: dict[Path, int],
+    name: str,
+    named: Sequence[tuple[str, torch.Tensor]],
+    pin: bool,
+    device: torch.device,
+) -> UnitPack:
+    if pin and device.type == "cuda":
+        # Page-locking registers the memory with the calling thread's current device; a pool thread
+        # starts on device 0, whatever the target.
+        torch.cuda.set_device(device)
+    entries, nbytes = unit_layout(load, named)
+    pack = UnitPack(name, entries, nbytes, pin)
+    try:
+        if nbytes:
+            dest = memoryview(pack.buffer.numpy())
+            for entry, (_, param) in zip(entries, named, strict=True):
+                source = load.source_of(param)
+                _read_into(fds[source.file], source, dest[entry.offset : entry.offset + entry.nbytes])
+    except BaseException:
+        pack.free()
+        raise
+    return pack
+
+
+def _read_tensor(
+    load: CheckpointLoad, fds: dict[Path, int], tensor: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    source = load.source_of(tensor)
+    host = torch.empty(source.shape, dtype=source.dtype)
+    if source.nbytes:
+        _read_into(fds[source.file], source, memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+    return host if device.type == "cpu" else host.to(device)
+
+
+def _read_into(fd: int, source: CheckpointTensor, dest: memoryview) -> None:
+    """Read ``source``'s bytes into ``dest`` with plain reads (no mapping); drop them from the page cache."""
+    done = 0
+    while done < source.nbytes:
+        offset = source.start + done
+        n = os.preadv(fd, [dest[done : done + READ_CHUNK_BYTES]], offset)
+        if n <= 0:
+            raise CheckpointError(
+                f"{source.file} ended while reading {source.name!r} (byte {offset} of the file): it was "
+                "truncated or replaced while loading; save it again"
+            )
+        if DROP_PAGE_CACHE and hasattr(os, "posix_fadvise"):  # Linux; macOS has no fadvise
+            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
+        done += n
