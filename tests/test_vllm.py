@@ -66,15 +66,23 @@ def engines(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     cache: dict[str, dict] = {}
     # The eager pair runs with vLLM's multiprocessing on (its default: engine core and worker in
     # processes of their own, the plugin registered in each); the compiled pair in-process.
+    # The streamed compiled engine starts from the profile the streamed eager one saved: a server
+    # restart that skips learning the model.
+    profile = tmp_path_factory.mktemp("profile") / "tiny-llama.ftprofile.json"
     runs = {
         "plain": ((), False),
         "resident": (("--flextensor", "{}"), True),
-        "streamed": (("--flextensor", json.dumps(TIGHT), "--report"), True),
+        "streamed": (("--flextensor", json.dumps(TIGHT), "--report", "--save-profile", str(profile)), True),
         "resident_compiled": (("--compiled", "--flextensor", "{}"), False),
-        "streamed_compiled": (("--compiled", "--flextensor", json.dumps(TIGHT), "--report"), False),
+        "streamed_compiled": (
+            ("--compiled", "--flextensor", json.dumps({**TIGHT, "profile": str(profile)}), "--report"),
+            False,
+        ),
     }
 
     def get(name: str) -> dict:
+        if name == "streamed_compiled":
+            assert get("streamed")["profiles"] == [str(profile)]
         if name not in cache:
             args, multiprocessing = runs[name]
             out = tmp_path_factory.mktemp(name) / "out.json"

@@ -33,14 +33,16 @@ def build_tiny_llama(directory: str) -> None:
     LlamaForCausalLM(config).save_pretrained(directory)
 
 
-def generate(model_dir: str, flextensor: dict | None, compiled: bool, report: bool) -> dict:
+def generate(
+    model_dir: str, flextensor: dict | None, compiled: bool, report: bool, save_profile: str | None = None
+) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kwargs: dict = {}
     if flextensor is not None:
         kwargs.update(load_format="flextensor", additional_config={"flextensor": flextensor})
-    if report:
+    if report or save_profile is not None:
         kwargs["worker_extension_cls"] = "flextensor.vllm.WorkerExtension"
     llm = LLM(
         model=model_dir,
@@ -68,6 +70,8 @@ def generate(model_dir: str, flextensor: dict | None, compiled: bool, report: bo
         )
     if report:
         results["reports"] = llm.collective_rpc("flextensor_report")
+    if save_profile is not None:
+        results["profiles"] = llm.collective_rpc("flextensor_save_profile", args=(save_profile,))
     return results
 
 
@@ -118,6 +122,7 @@ def main() -> None:
     parser.add_argument("--flextensor", type=json.loads, default=None)
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--report", action="store_true")
+    parser.add_argument("--save-profile", default=None, help="save each worker's profile to this path")
     parser.add_argument("--bad", action="store_true", help="start the engines of BAD_INPUTS")
     parser.add_argument("--build", action="store_true", help="save the tiny Llama to model_dir and exit")
     args = parser.parse_args()
@@ -130,7 +135,7 @@ def main() -> None:
     if args.bad:
         results = refusals(args.model_dir)
     else:
-        results = generate(args.model_dir, args.flextensor, args.compiled, args.report)
+        results = generate(args.model_dir, args.flextensor, args.compiled, args.report, args.save_profile)
     with open(args.out, "w") as f:
         json.dump(results, f)
 

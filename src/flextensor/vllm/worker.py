@@ -18,3 +18,13 @@ class WorkerExtension:
         from flextensor import report
 
         return report(self.model_runner.get_model()).to_dict()  # type: ignore[attr-defined]
+
+    def flextensor_save_profile(self, path: str) -> str:
+        """``flextensor.save_profile(model, path)`` of this worker's model (after a steady step); a
+        ``{rank}`` in ``path`` becomes the worker's rank, for engines with several. Returns the path
+        written; pass it back as ``"profile"`` under ``"flextensor"`` to start from it next time."""
+        from flextensor import save_profile
+
+        written = path.format(rank=getattr(self, "rank", 0))
+        save_profile(self.model_runner.get_model(), written)  # type: ignore[attr-defined]
+        return written
