@@ -64,15 +64,17 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engines(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     """Engine results by name, each engine started once for the whole module."""
     cache: dict[str, dict] = {}
-    # The eager pair runs with vLLM's multiprocessing on (its default: engine core and worker in
-    # processes of their own, the plugin registered in each); the compiled pair in-process.
-    # The streamed compiled engine starts from the profile the streamed eager one saved: a server
-    # restart that skips learning the model.
+    # Each engine in-process (its batches are the same in every run, so logprobs compare bit for bit),
+    # but "multiprocess": vLLM's default, the engine core and worker in processes of their own (the plugin
+    # registered in each; how requests fall into steps then depends on timing). The streamed compiled
+    # engine starts from the profile the multiprocess one saved: a server restart that skips learning.
     profile = tmp_path_factory.mktemp("profile") / "tiny-llama.ftprofile.json"
+    streamed = ("--flextensor", json.dumps(TIGHT), "--report")
     runs = {
         "plain": ((), False),
-        "resident": (("--flextensor", "{}"), True),
-        "streamed": (("--flextensor", json.dumps(TIGHT), "--report", "--save-profile", str(profile)), True),
+        "resident": (("--flextensor", "{}"), False),
+        "streamed": (streamed, False),
+        "multiprocess": ((*streamed, "--save-profile", str(profile)), True),
         "resident_compiled": (("--compiled", "--flextensor", "{}"), False),
         "streamed_compiled": (
             ("--compiled", "--flextensor", json.dumps({**TIGHT, "profile": str(profile)}), "--report"),
@@ -82,7 +84,7 @@ def engines(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
 
     def get(name: str) -> dict:
         if name == "streamed_compiled":
-            assert get("streamed")["profiles"] == [str(profile)]
+            assert get("multiprocess")["profiles"] == [str(profile)]
         if name not in cache:
             args, multiprocessing = runs[name]
             out = tmp_path_factory.mktemp(name) / "out.json"
@@ -121,6 +123,17 @@ def test_greedy_tokens_equal_plain_vllm(engines, compiled: bool) -> None:
     streamed, plain = engines("streamed_compiled" if compiled else "streamed"), engines("plain")
     assert streamed["tokens"] == plain["tokens"]
     assert_close_logprobs(streamed["logprobs"][1], plain["logprobs"][1])
+
+
+def test_multiprocess_engine_streams_the_same(engines) -> None:
+    """vLLM's default process layout; the report and the saved profile come back from the worker process
+    through collective_rpc."""
+    got = engines("multiprocess")
+    assert_every_layer_streamed(got["reports"])
+    want = engines("resident")
+    assert got["tokens"] == want["tokens"]
+    for call in range(2):
+        assert_close_logprobs(got["logprobs"][call], want["logprobs"][call])
 
 
 def test_bad_options_are_refused_and_leave_vllm_as_it_was(tiny_llama: Path, tmp_path: Path) -> None:
