@@ -38,6 +38,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "dtype": "bfloat16",
         "max_model_len": args.prompt_len + args.decode_tokens + 16,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        # A fixed KV cache for every method: flextensor uploads its resident layers after vLLM sized the
+        # cache from the memory at load time (docs/vllm.md, limits).
+        "kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30),
         "max_num_seqs": max(args.batch, 1),
         "seed": 0,
     }
@@ -72,6 +75,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.11)
+    parser.add_argument("--kv-cache-gb", type=float, default=4.0)
     parser.add_argument("--budget", default="8GiB", help="flextensor's gpu_memory_budget")
     parser.add_argument("--cpu-offload-gb", type=float, default=8.0, help="uva: GB of weights in host RAM")
     parser.add_argument("--group-size", type=int, default=2, help="prefetch: one layer per group offloaded")
@@ -105,6 +109,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "budget": args.budget if args.method == "flextensor" else None,
+        "kv_cache_gb": args.kv_cache_gb,
         "eager": args.eager,
         "engine_start_s": round(start_s, 1),
         "prefill_tokens_per_s": round(args.batch * args.prompt_len / prefill_s, 1),

@@ -66,7 +66,7 @@ def refuse_vllm_offload(vllm_config: Any) -> None:
     offload = getattr(vllm_config, "offload_config", None)
     set_options = []
     if offload is not None:
-        if getattr(offload, "offload_backend", "auto") != "auto":
+        if getattr(offload, "offload_backend", "auto") not in ("auto", "none"):
             set_options.append(f"--offload-backend {offload.offload_backend}")
         uva = getattr(offload, "uva", None)
         if uva is not None and getattr(uva, "cpu_offload_gb", 0) > 0:
