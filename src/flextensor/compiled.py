@@ -60,6 +60,7 @@ __all__ = [
     "mark_static",
     "register",
     "skip_hook_frames",
+    "written_inputs",
     "written_outputs",
 ]
 
@@ -174,6 +175,23 @@ def written_outputs(output: Any, spare: torch.Tensor) -> list[torch.Tensor]:
         for tensor in inner:
             if isinstance(tensor, torch.Tensor) and tensor._base is None:
                 found.append(tensor)
+    return found if found else [spare]
+
+
+def written_inputs(args: tuple, kwargs: dict, spare: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors the pre op declares written when the model's hooks order by inputs: the unit's
+    floating-point tensor arguments that are no views, ``[spare]`` when there are none. Traced by Dynamo.
+
+    vLLM's compiler reads some weights through ``.data`` (its RMSNorm), which AOTAutograd refuses on a
+    parameter an op mutated while tracing under inference mode; ordering by the activation instead keeps
+    every kernel that computes on it after the op (what vLLM's own prefetching offloader declares too).
+    Integer inputs (positions) are left out: they are read before the op by earlier units, so declaring
+    them written would make inductor clone them."""
+    found = [
+        tensor
+        for tensor in (*args, *kwargs.values())
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor._base is None
+    ]
     return found if found else [spare]
 
 

@@ -226,6 +226,11 @@ class OffloadEngine:
         assumed, guaranteed = self.graphs.capture_plan(streamed, self.store.owner)
         return CapturedStep(self.store, streamed[-1] if streamed else None, assumed, guaranteed)
 
+    def runs_eager(self) -> bool:
+        """Whether the forward now running needs eager Python around every torch call (discovery, a
+        checking forward), so must run uncompiled (see [Note: compiled hot path] in compiled.py)."""
+        return getattr(self.step, "eager_only", False)
+
     def capture_began(self) -> None:
         """The first unit op of a compiled forward found the stream capturing (reduce-overhead mode): the
         forward's driver becomes the captured one (see [Note: captured forwards])."""

@@ -26,7 +26,7 @@ from torch import nn
 from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 
 from . import compiled
-from .compiled import written_outputs
+from .compiled import written_inputs, written_outputs
 from .errors import ConcurrentForwardError, UnsupportedOperationError
 from .plan_policy import input_signature
 from .units import Unit
@@ -61,6 +61,8 @@ class Controller(Protocol):
     def close_interrupted_forward(self) -> None: ...
 
     def capture_began(self) -> None: ...
+
+    def runs_eager(self) -> bool: ...
 
     def state_dict_entries(self, prefix: str) -> Iterable[tuple[str, torch.Tensor]]: ...
 
@@ -152,9 +154,12 @@ def _unmark(module: nn.Module) -> None:
 
 def unit_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():  # see [Note: compiled hot path] in compiled.py
-        weights = [module.get_parameter(name) for name in getattr(module, _WEIGHTS)]
+        if getattr(module, _HOOKS).order_by_inputs:
+            written = written_inputs(args, kwargs, getattr(module, _SPARE))
+        else:
+            written = [module.get_parameter(name) for name in getattr(module, _WEIGHTS)]
         token = getattr(module, _TOKEN)
-        torch.ops.flextensor.unit_pre(weights, token, getattr(module, _MODEL_ID), getattr(module, _UNIT))
+        torch.ops.flextensor.unit_pre(written, token, getattr(module, _MODEL_ID), getattr(module, _UNIT))
         return
     values = module.__dict__
     values[_HOOKS].run_unit_pre(values[_UNIT])
@@ -269,6 +274,9 @@ class ModelHooks:
         self._guarding = False  # whether compiled graphs are guarded on module hooks yet
         self.model_id = 0  # the constant compiled graphs carry (see compiled.py)
         self.ops_seen = False  # a compiled unit op ran in this forward (the first checks for a capture)
+        # Whether the compiled pre op orders a unit's kernels through its floating-point inputs rather
+        # than its weights (see compiled.written_inputs): set by integrations that need it (vLLM).
+        self.order_by_inputs = False
         device = controller.runtime.device
         # What the compiled ops mutate to keep their order: one element each, made once.
         self.token = torch.zeros(1, device=device)
@@ -367,7 +375,7 @@ class ModelHooks:
             if self._guarding:
                 compiled.mark_static(self.token, self.spare)
         self.begin(signature)
-        return controller.bracket.depth == 1 and getattr(controller.step, "eager_only", False)
+        return controller.bracket.depth == 1 and controller.runs_eager()
 
     def begin(self, signature: tuple[str, ...]) -> None:
         controller = self._controller

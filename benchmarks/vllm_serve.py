@@ -1,0 +1,128 @@
+"""vLLM throughput with flextensor against vLLM's own offloading (issue 13, Must 6), one engine per process.
+
+    python -m benchmarks.vllm_serve --save /tmp/llama8b          # Llama-3.1-8B config, random bf16 weights
+    python -m benchmarks.vllm_serve --model /tmp/llama8b --method flextensor --batch 1 --out results.jsonl
+
+Methods, all at the same ``--gpu-memory-utilization`` (low enough that the 16 GB model does not fit):
+``native`` (reference; give it a utilization where the model fits), ``uva`` (``cpu_offload_gb``),
+``prefetch`` (``offload_backend="prefetch"``), ``flextensor`` (``load_format="flextensor"`` with
+``--budget``). Prefill: ``batch`` prompts of ``--prompt-len`` tokens, one output token each. Decode:
+``--decode-tokens`` tokens each, timed after the prefill. Each phase runs ``--warmup`` times first (the
+first steps of flextensor learn the model). Prints and appends one JSON line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from benchmarks.workloads import LLAMA_8B
+
+
+def save_random_llama(directory: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    config = LlamaConfig(**LLAMA_8B, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs: dict = {
+        "model": args.model,
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "max_model_len": args.prompt_len + args.decode_tokens + 16,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        # A fixed KV cache for every method: flextensor uploads its resident layers after vLLM sized the
+        # cache from the memory at load time (docs/vllm.md, limits).
+        "kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30),
+        "max_num_seqs": max(args.batch, 1),
+        "seed": 0,
+    }
+    if args.method == "uva":
+        kwargs["cpu_offload_gb"] = args.cpu_offload_gb
+    elif args.method == "prefetch":
+        kwargs.update(offload_backend="prefetch", offload_group_size=args.group_size, offload_num_in_group=1)
+    elif args.method == "flextensor":
+        kwargs.update(
+            load_format="flextensor",
+            additional_config={"flextensor": {"gpu_memory_budget": args.budget}},
+            worker_extension_cls="flextensor.vllm.WorkerExtension",
+            compilation_config={"cudagraph_mode": "NONE"},  # see docs/vllm.md, limits
+        )
+    if args.eager:
+        kwargs["enforce_eager"] = True
+    return kwargs
+
+
+def timed(llm, prompts, params) -> float:
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--save", help="write the random Llama-3.1-8B checkpoint here and exit")
+    parser.add_argument("--model")
+    parser.add_argument("--method", choices=["native", "uva", "prefetch", "flextensor"], default="flextensor")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.11)
+    parser.add_argument("--kv-cache-gb", type=float, default=4.0)
+    parser.add_argument("--budget", default="8GiB", help="flextensor's gpu_memory_budget")
+    parser.add_argument("--cpu-offload-gb", type=float, default=8.0, help="uva: GB of weights in host RAM")
+    parser.add_argument("--group-size", type=int, default=2, help="prefetch: one layer per group offloaded")
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile, no graphs)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/vllm_serve.jsonl")
+    args = parser.parse_args()
+    if args.save:
+        save_random_llama(args.save)
+        return
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    start_s = time.perf_counter() - started
+    prompts = [
+        TokensPrompt(prompt_token_ids=[(7 * b + 13 * i) % 32000 + 1 for i in range(args.prompt_len)])
+        for b in range(args.batch)
+    ]
+    prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    full = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True, detokenize=False)
+    for _ in range(args.warmup):
+        timed(llm, prompts, full)
+    prefill_s = min(timed(llm, prompts, prefill) for _ in range(2))
+    total_s = min(timed(llm, prompts, full) for _ in range(2))
+    decode_s = max(total_s - prefill_s, 1e-9)
+    row = {
+        "method": args.method,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "budget": args.budget if args.method == "flextensor" else None,
+        "kv_cache_gb": args.kv_cache_gb,
+        "eager": args.eager,
+        "engine_start_s": round(start_s, 1),
+        "prefill_tokens_per_s": round(args.batch * args.prompt_len / prefill_s, 1),
+        "decode_tokens_per_s": round(args.batch * (args.decode_tokens - 1) / decode_s, 1),
+    }
+    if args.method == "flextensor":
+        report = llm.collective_rpc("flextensor_report")[0]
+        row["streamed_units"] = sum(u["placement"] == "streamed" for u in report["units"])
+    print(json.dumps(row), flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# vLLM on the GPU machine (issue 13, Must 6). Needs vLLM 0.26.0 (the newest release pinning the image's torch
+# 2.11) unpacked into /tmp/site with its small dependencies (see shared/vllm-notes.md: the wheel's parts for
+# a dense Llama on Hopper are ~64.5 MiB xz, so they travel in two calls), and flextensor installed there
+# with its entry point (pip install --no-deps --target /tmp/site . after the wheels), so vLLM finds the plugin.
+#   PART=0: import check + the vLLM tests on the GPU (tiny Llama; compiled mode without CUDA graphs).
+#   PART=1: save the random Llama-3.1-8B checkpoint (once per machine), then batch 1 for every method.
+#   PART=2: batch 32 for every method.
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0} HF_HUB_OFFLINE=1
+model=${MODEL:-/tmp/llama8b}
+out=${OUT:-benchmarks/results}/vllm_serve.jsonl
+case "${PART:-0}" in
+0)
+    python3 -c "import vllm, vllm._C_stable_libtorch; from vllm import LLM; print('vllm', vllm.__version__)" || exit 1
+    python3 -c "from importlib.metadata import entry_points as e; print([p.value for p in e(group='vllm.general_plugins')])"
+    python3 -m pytest tests/test_vllm.py -q -p no:cacheprovider -x 2>&1 | tail -15
+    ;;
+*)
+    [ -f "$model/config.json" ] || python3 -m benchmarks.vllm_serve --save "$model"
+    batch=$([ "${PART}" = 1 ] && echo 1 || echo 32)
+    python3 -m benchmarks.vllm_serve --model "$model" --method native --batch "$batch" \
+        --gpu-memory-utilization 0.3 --out "$out" 2>&1 | tail -1
+    for method in flextensor uva prefetch; do
+        timeout 170 python3 -m benchmarks.vllm_serve --model "$model" --method "$method" --batch "$batch" \
+            --out "$out" 2>&1 | tail -1
+    done
+    ;;
+esac

