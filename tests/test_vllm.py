@@ -107,17 +107,7 @@ def assert_close_logprobs(got: list, want: list) -> None:
         assert got_prompt == pytest.approx(want_prompt, abs=1e-4)
 
 
-RESIDENT_COMPILED_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="known bug: vLLM compiles once, without guards, while every layer streams; layers the planner "
-    "then keeps resident lose their hooks and marks, and the compiled graph reads "
-    "'_flextensor_token' from them (AttributeError). Compiled mode works while every layer streams.",
-)
-
-
-@pytest.mark.parametrize(
-    "compiled", [False, pytest.param(True, marks=RESIDENT_COMPILED_BUG)], ids=["eager", "compiled"]
-)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_streamed_layers_give_the_resident_model_bit_for_bit(engines, compiled: bool) -> None:
     suffix = "_compiled" if compiled else ""
     streamed, resident = engines("streamed" + suffix), engines("resident" + suffix)

@@ -328,7 +328,9 @@ class ModelHooks:
         for unit in [u for u in self._unit_handles if u not in wanted]:
             for handle in self._unit_handles.pop(unit):
                 handle.remove()
-            _unmark(unit.module)
+            # Its marks stay until detach: a graph compiled without guards on hooks while the unit was
+            # hooked (vLLM's) still runs the unit's ops, which read them; they are harmless for a
+            # resident unit (its pre finds its weights in place, its post has nothing to prefetch).
         for unit in wanted:
             self._mark(unit.module, unit)  # again for hooked units too: their weights may have changed
             if unit not in self._unit_handles:
@@ -358,11 +360,12 @@ class ModelHooks:
             handle.remove()
         self._model_handles.clear()
         _unmark(model)
-        for unit, handles in self._unit_handles.items():
+        for handles in self._unit_handles.values():
             for handle in handles:
                 handle.remove()
-            _unmark(unit.module)
         self._unit_handles.clear()
+        for unit in self.units.values():  # every unit ever hooked keeps its marks until here
+            _unmark(unit.module)
         compiled.unregister(self.model_id)
 
     # -- the forward (the module-level hook functions below call these) ------------------------------------
