@@ -113,7 +113,13 @@ def test_streamed_layers_give_the_resident_model_bit_for_bit(engines, compiled: 
     streamed, resident = engines("streamed" + suffix), engines("resident" + suffix)
     assert_every_layer_streamed(streamed["reports"])
     assert streamed["tokens"] == resident["tokens"]
-    assert streamed["logprobs"] == resident["logprobs"]
+    if compiled:
+        # Compiled, the unit ops stand where resident layers have none: inductor fuses across other
+        # boundaries, so float32 rounding may differ in the last bits (docs/compile.md, Known limits).
+        for call in range(2):
+            assert_close_logprobs(streamed["logprobs"][call], resident["logprobs"][call])
+    else:
+        assert streamed["logprobs"] == resident["logprobs"]
     assert streamed["tokens"][0] == streamed["tokens"][1]  # learning (1st call) and planned (2nd) agree
     assert streamed["logprobs"][0] == streamed["logprobs"][1]
 

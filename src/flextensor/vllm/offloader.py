@@ -120,9 +120,13 @@ class FlexTensorOffloader(BaseOffloader):
                 )
             config = config.model_copy(update={"include_patterns": self.unit_patterns(model)})
         offload(model, config)
-        # vLLM's compiled graphs read some weights through .data: order the compiled ops by the layers'
-        # activations (see compiled.written_inputs).
-        engine_of(model).hooks.order_by_inputs = True
+        engine = engine_of(model)
+        # vLLM's compiled graphs read some weights through .data (its RMSNorm): order the compiled ops by
+        # the layers' activations (see compiled.written_inputs), and give the parameters their own class
+        # back: Dynamo cannot trace the .data guard of weight_edits.py (a served model is not edited in
+        # place, so nothing is lost by it).
+        engine.hooks.order_by_inputs = True
+        engine.unguard_parameters()
         self.offloaded = True
         run_uncompiled_while_learning(model)
 
