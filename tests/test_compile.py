@@ -7,6 +7,7 @@ compared bit for bit with the same model compiled the same way without offload.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -355,3 +356,32 @@ def test_whole_model_compile_in_bf16_is_bitwise_when_inductor_rounds_as_eager(
     for output in outputs[2:]:
         assert torch.equal(output, reference)
     assert_no_graph_breaks()
+
+
+class ReadsWeightData(nn.Module):
+    """A block whose forward reads ``weight.data`` (as vLLM's RMSNorm does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.lin.weight.data, self.lin.bias)
+
+
+def test_a_forward_reading_weight_data_compiles_whole_and_streams_bitwise() -> None:
+    """The edit guard on ``.data`` (weight_edits.py) is transparent inside a compiled forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(ReadsWeightData() for _ in range(4)))
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        reference = torch.compile(copy.deepcopy(model), fullgraph=True)(x)
+    torch._dynamo.reset()
+    flextensor.offload(model, streaming_config(model, ["*"]))
+    with torch.no_grad():
+        for _ in range(FORWARDS):  # fullgraph traces the model's hooks too: plan first (compile.md)
+            model(x)
+        compiled = torch.compile(model, fullgraph=True)
+        outputs = [compiled(x) for _ in range(3)]
+    assert_all_stream(model)
+    assert all(torch.equal(out, reference) for out in outputs)

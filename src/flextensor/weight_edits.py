@@ -80,6 +80,10 @@ def _check_data_access(param: nn.Parameter, what: str) -> None:
 
 
 def _get_data(param: nn.Parameter) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # Traced inside a compiled forward (a model reading weight.data): what .data gives there, the
+        # same storage without autograd, in a form Dynamo can trace (it cannot trace the check below).
+        return param.detach()
     _check_data_access(param, "reading")
     return _DATA.__get__(param)
 
