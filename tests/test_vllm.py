@@ -108,20 +108,22 @@ def assert_close_logprobs(got: list, want: list) -> None:
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_streamed_layers_give_the_resident_model_bit_for_bit(engines, compiled: bool) -> None:
+def test_streamed_layers_match_the_resident_model(engines, compiled: bool) -> None:
+    """Bit for bit eager; compiled, the same tokens and logprobs within float32 rounding."""
     suffix = "_compiled" if compiled else ""
     streamed, resident = engines("streamed" + suffix), engines("resident" + suffix)
     assert_every_layer_streamed(streamed["reports"])
     assert streamed["tokens"] == resident["tokens"]
+    assert streamed["tokens"][0] == streamed["tokens"][1]  # learning (1st call) and planned (2nd) agree
     if compiled:
-        # Compiled, the unit ops stand where resident layers have none: inductor fuses across other
-        # boundaries, so float32 rounding may differ in the last bits (docs/compile.md, Known limits).
+        # Compiled, the unit ops stand where resident layers have none, and the learning call runs eager:
+        # inductor's fusions round float32 differently in the last bits (docs/compile.md, Known limits).
         for call in range(2):
             assert_close_logprobs(streamed["logprobs"][call], resident["logprobs"][call])
+        assert_close_logprobs(streamed["logprobs"][0], streamed["logprobs"][1])
     else:
         assert streamed["logprobs"] == resident["logprobs"]
-    assert streamed["tokens"][0] == streamed["tokens"][1]  # learning (1st call) and planned (2nd) agree
-    assert streamed["logprobs"][0] == streamed["logprobs"][1]
+        assert streamed["logprobs"][0] == streamed["logprobs"][1]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
