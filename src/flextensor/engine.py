@@ -262,7 +262,7 @@ class OffloadEngine:
         try:
             self._end_forward(error)
         finally:
-            self.watch.arm(self.units.values())  # the forward may have moved weights out of units
+            self.watch.refresh()  # compiled unit ops bump the counters of the weights they order by
 
     def _end_forward(self, error: type[BaseException] | None) -> None:
         driver, self.step = self.step, self._outside
@@ -379,6 +379,7 @@ class OffloadEngine:
                     param.data = source.to(self.runtime.device, copy=True)
                 del unit.parameters[i]
                 unguard_parameter(param)
+                self.watch.arm(self.units.values())  # no longer a streamed weight
                 self.resident_reasons[fqn] = reason
                 logger.info("keeping %s resident: %s", fqn, reason)
                 return

@@ -131,26 +131,35 @@ def unguard_parameter(param: nn.Parameter) -> None:
 
 class WeightWatch:
     """Notices in-place writes through streamed parameters between forwards (see [Note: editing streamed
-    weights]). :meth:`arm` at plan time; :meth:`edited` once per forward."""
+    weights]). :meth:`arm` at plan time; :meth:`edited` at a forward's start, :meth:`refresh` at its end
+    (compiled unit ops bump the counters too): each one pass over the counters in C, no Python loop."""
 
     def __init__(self) -> None:
         self._params: tuple[nn.Parameter, ...] = ()
+        self._owners: tuple[Unit, ...] = ()  # the unit of each watched parameter
+        self._versions: tuple[int, ...] = ()
         self._total = 0
-        self._per_unit: dict[Unit, int] = {}
 
     def arm(self, units: Iterable[Unit]) -> None:
         """Watch the parameters of the units streamed now, from their present versions (plan time)."""
         streamed = [u for u in units if u.placement is Placement.STREAMED]
         self._params = tuple(p for u in streamed for _, p, _ in u.parameters)
-        self._per_unit = {u: u.weights_version() for u in streamed}
-        self._total = sum(map(_VERSION, self._params))
+        self._owners = tuple(u for u in streamed for _ in u.parameters)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the watched parameters' present versions as the unedited ones."""
+        self._versions = tuple(map(_VERSION, self._params))
+        self._total = sum(self._versions)
 
     def edited(self) -> list[Unit]:
-        """The streamed units whose parameters were written in place since :meth:`arm`; usually none,
-        found with one sum over the counters."""
-        if sum(map(_VERSION, self._params)) == self._total:
+        """The streamed units whose parameters were written in place since :meth:`refresh`; usually none,
+        found with one sum (counters only grow, so an equal sum means nothing changed)."""
+        now = tuple(map(_VERSION, self._params))
+        if sum(now) == self._total:
             return []
-        return [u for u, version in self._per_unit.items() if u.weights_version() != version]
+        changed = (u for u, v, was in zip(self._owners, now, self._versions, strict=True) if v != was)
+        return list(dict.fromkeys(changed))
 
 
 @contextmanager
