@@ -129,6 +129,13 @@ def unguard_parameter(param: nn.Parameter) -> None:
         param.__class__ = original
 
 
+def _versions_of(params: tuple[nn.Parameter, ...]) -> tuple[int, ...]:
+    # ``_version`` is a tensor property: a TorchFunctionMode (discovery's outside-read tracker, or the
+    # user's own) would see each read as a use of the weight. Counting is bookkeeping, not a use.
+    with torch._C.DisableTorchFunction():
+        return tuple(map(_VERSION, params))
+
+
 class WeightWatch:
     """Notices in-place writes through streamed parameters between forwards (see [Note: editing streamed
     weights]). :meth:`arm` at plan time; :meth:`edited` at a forward's start, :meth:`refresh` at its end
@@ -149,13 +156,13 @@ class WeightWatch:
 
     def refresh(self) -> None:
         """Take the watched parameters' present versions as the unedited ones."""
-        self._versions = tuple(map(_VERSION, self._params))
+        self._versions = _versions_of(self._params)
         self._total = sum(self._versions)
 
     def edited(self) -> list[Unit]:
         """The streamed units whose parameters were written in place since :meth:`refresh`; usually none,
         found with one sum (counters only grow, so an equal sum means nothing changed)."""
-        now = tuple(map(_VERSION, self._params))
+        now = _versions_of(self._params)
         if sum(now) == self._total:
             return []
         changed = (u for u, v, was in zip(self._owners, now, self._versions, strict=True) if v != was)
