@@ -317,9 +317,9 @@ def test_the_ops_pass_torch_library_opcheck() -> None:
 
 def test_a_profiling_forward_in_which_the_compiler_ran_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its times and memory peak are the compiler's: one more forward is profiled instead."""
-    import flextensor.engine
+    import flextensor.learning
 
-    monkeypatch.setattr(flextensor.engine, "samples_disagree", lambda *args: False)  # no noise retries
+    monkeypatch.setattr(flextensor.learning, "samples_disagree", lambda *args: False)  # no noise retries
     case = _llama_case()
     model = offloaded(case, discovery_forwards=1, profiling_forwards=1)
     compiled = torch.compile(model)

@@ -7,7 +7,10 @@ touch CUDA.
 The data path, one module each: ``selection`` (patterns -> offload units), ``packing`` (units -> host
 packs, ``host_store`` / ``shared_store``), ``discovery`` and ``profiling`` (the first forwards),
 ``planner`` with ``simulator`` and ``layout`` (measurements -> ``plan``), ``slots`` and ``steady`` (the
-device store and the steady-state hot path), ``engine`` (the phases), ``reporting`` / ``tracing``.
+device store and the steady-state hot path), ``learning`` (the phases and when each has learned
+enough), ``engine`` (the controller: what each forward's start and end decide), ``weight_access``
+(streamed weights as ``state_dict``/``release`` see them), ``weight_edits`` (in-place edits),
+``reporting`` / ``tracing``.
 """
 
 from __future__ import annotations

@@ -11,6 +11,16 @@ thread pool, a unit (allocate, page-lock, read) per task, so page-locking one un
 Each range read is dropped from the page cache at once (``POSIX_FADV_DONTNEED``): with a cold cache the
 file's pages would otherwise stay in RAM next to the packs, which cgroup limits count.
 
+[Note: reading while the model runs]
+``offload(weights=...)`` waits only for what stays on the device; the units' packs are allocated, the
+model's parameters pointed at them, and their reads (page-lock, then read) go on in the background, the
+largest unit first (the link probe copies from it) and then in module order, which is close to the order
+the first forward needs them. Every access to a pack's bytes waits for that pack's read (see [Note: packs
+filled in the background] in host_store.py), so the first forward computes while later units are still
+read: the model is ready after about max(read time, first forward) rather than their sum. A read that
+fails raises a CheckpointError at every access to that unit's weights (the forward that needs it,
+``state_dict()``, ``release()``), never lets the unit compute with bytes not read.
+
 [Note: what a meta model must provide]
 Every parameter and persistent buffer comes from the checkpoint (tied aliases need one of their names
 there, as transformers saves them). Non-persistent buffers (rotary tables) are not in checkpoints: a real
@@ -26,8 +36,9 @@ import contextlib
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,83 +238,109 @@ def read_checkpoint(
     device: torch.device,
     advance: Callable[[int], None],
 ) -> tuple[list[UnitPack], dict[int, torch.Tensor]]:
-    """Read every unit into a new pack and every ``resident`` tensor onto ``device``, in parallel.
+    """Read every ``resident`` tensor onto ``device``, and start reading every unit into a new pack.
 
-    Returns the packs (in ``units`` order) and id(resident tensor) -> its value on ``device``. On any
-    failure every pack read so far is freed and the error raised; nothing in the model has changed.
+    Returns the packs (in ``units`` order), whose reads go on in the background (see [Note: reading while
+    the model runs]), and id(resident tensor) -> its value on ``device``, all read. On a failure before it
+    returns, every pack is freed (its read stopped or waited for) and the error raised; nothing in the
+    model has changed.
     """
-    files = {source.file for source in load.sources.values()}
-    fds: dict[Path, int] = {}
+    reads = _Reads(load)
+    packs: list[UnitPack] = []
     try:
-        for file in sorted(files):
-            fds[file] = os.open(file, os.O_RDONLY)
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flextensor-read") as pool:
-            futures: dict[Future, tuple[str, int, int]] = {}
-            for index, (name, named) in enumerate(units):
-                future = pool.submit(_read_unit, load, fds, name, named, pin, device)
-                futures[future] = ("unit", index, sum(load.source_of(p).nbytes for _, p in named))
-            for tensor in resident:
-                future = pool.submit(_read_tensor, load, fds, tensor, device)
-                futures[future] = ("tensor", id(tensor), load.source_of(tensor).nbytes)
-            return _gather(futures, len(units), advance)
+        for name, named in units:
+            entries, nbytes = unit_layout(load, named)
+            packs.append(UnitPack(name, entries, nbytes, pin=False))  # locked by its reader
+        # The largest first: the link probe copies from it as soon as offload() has laid out.
+        order = sorted(range(len(units)), key=lambda i: -packs[i].nbytes)[:1]
+        order += [i for i in range(len(units)) if i not in order]
+        for index in order:
+            named = units[index][1]
+            pack = packs[index]
+            pack.read_in_background(reads.submit(_read_unit, load, reads.fds, pack, named, pin, device))
+        values = {id(t): reads.submit(_read_tensor, load, reads.fds, t, device) for t in resident}
+        for tensor in resident:
+            values[id(tensor)] = values[id(tensor)].result()
+            advance(load.source_of(tensor).nbytes)
+    except BaseException:
+        for pack in packs:
+            pack.free()
+        raise
     finally:
+        reads.no_more()
+    return packs, values  # type: ignore[return-value]
+
+
+class _Reads:
+    """The read threads and open files of one checkpoint; the files close once the last read ends."""
+
+    def __init__(self, load: CheckpointLoad) -> None:
+        self.fds: dict[Path, int] = {}
+        try:
+            for file in sorted({source.file for source in load.sources.values()}):
+                self.fds[file] = os.open(file, os.O_RDONLY)
+        except BaseException:
+            self._close()
+            raise
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flextensor-read")
+        self._lock = threading.Lock()
+        self._running = 0
+        self._submitting = True
+
+    def submit(self, fn: Callable[..., object], *args: object) -> Future:
+        with self._lock:
+            self._running += 1
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(self._ended)
+        return future
+
+    def _ended(self, _: Future) -> None:
+        with self._lock:
+            self._running -= 1
+            last = self._running == 0 and not self._submitting
+        if last:
+            self._close()
+
+    def no_more(self) -> None:
+        """Every read is submitted: the threads end, and the files close, when the reads have."""
+        with self._lock:
+            self._submitting = False
+            last = self._running == 0
+        self._pool.shutdown(wait=False)
+        if last:
+            self._close()
+
+    def _close(self) -> None:
+        fds, self.fds = self.fds, {}
         for fd in fds.values():
             os.close(fd)
-
-
-def _gather(
-    futures: dict[Future, tuple[str, int, int]], n_units: int, advance: Callable[[int], None]
-) -> tuple[list[UnitPack], dict[int, torch.Tensor]]:
-    packs: list[UnitPack | None] = [None] * n_units
-    values: dict[int, torch.Tensor] = {}
-    try:
-        for future in as_completed(futures):
-            kind, key, nbytes = futures[future]
-            if kind == "unit":
-                packs[key] = future.result()
-            else:
-                values[key] = future.result()
-            advance(nbytes)
-    except BaseException:
-        for future in futures:
-            future.cancel()
-        wait(futures)
-        for future in futures:
-            if (
-                not future.cancelled()
-                and future.exception() is None
-                and isinstance(future.result(), UnitPack)
-            ):
-                future.result().free()
-        raise
-    assert all(pack is not None for pack in packs)
-    return packs, values  # type: ignore[return-value]
 
 
 def _read_unit(
     load: CheckpointLoad,
     fds: dict[Path, int],
-    name: str,
+    pack: UnitPack,
     named: Sequence[tuple[str, torch.Tensor]],
     pin: bool,
     device: torch.device,
-) -> UnitPack:
-    if pin and device.type == "cuda":
-        # Page-locking registers the memory with the calling thread's current device; a pool thread
-        # starts on device 0, whatever the target.
-        torch.cuda.set_device(device)
-    entries, nbytes = unit_layout(load, named)
-    pack = UnitPack(name, entries, nbytes, pin)
+) -> None:
     try:
-        if nbytes:
-            dest = memoryview(pack.buffer.numpy())
-            for entry, (_, param) in zip(entries, named, strict=True):
+        if pin:
+            if device.type == "cuda":
+                # Page-locking registers the memory with the calling thread's current device; a pool
+                # thread starts on device 0, whatever the target.
+                torch.cuda.set_device(device)
+            pack.lock()
+        if pack.nbytes:
+            dest = memoryview(pack.unread_buffer.numpy())
+            for entry, (_, param) in zip(pack.entries, named, strict=True):
                 source = load.source_of(param)
                 _read_into(fds[source.file], source, dest[entry.offset : entry.offset + entry.nbytes])
-    except BaseException:
-        pack.free()
-        raise
-    return pack
+    except Exception as error:
+        raise CheckpointError(
+            f"reading the weights of offload unit {pack.unit!r} from {load.path} failed ({error}); this "
+            "model cannot run: build it again and offload it from a readable checkpoint"
+        ) from error
 
 
 def _read_tensor(

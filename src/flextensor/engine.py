@@ -2,13 +2,14 @@
 
 The engine owns the units, the device store (slots.py), the hooks (hooks.py) and the plan cache. At the
 start of each outermost forward it picks the forward's driver (discovery.py, profiling.py, steady.py),
-which the unit hooks call; at its end it hands what the driver learned to the next phase. Every phase
-change goes through :meth:`OffloadEngine._enter`, which also decides which units carry hooks.
+which the unit hooks call; at its end it hands what the driver learned to the next phase (learning.py
+counts the forwards and keeps the samples). Every phase change goes through :meth:`OffloadEngine._enter`,
+which also decides which units carry hooks. How streamed weights look to ``state_dict``, conversions and
+``release`` is weight_access.py's; in-place edits are weight_edits.py's.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import weakref
 from collections.abc import Callable
@@ -24,45 +25,22 @@ from .device import Target
 from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryStep
 from .errors import UnsupportedOperationError
 from .layout import provisional_arena_bytes
+from .learning import Learning, Phase
 from .measurements import LinkModel, Measurements
 from .plan import Plan
 from .plan_policy import PlanEntry, PlanPolicy
-from .profiling import (
-    EXTRA_FORWARDS,
-    ProfilingStep,
-    StepSample,
-    combine_samples,
-    sample_from_timeline,
-    samples_disagree,
-)
+from .profiling import ProfilingStep, sample_from_timeline
 from .slots import DeviceStore
 from .status import OffloadStatus, status_of
 from .steady import CapturedStep, OutsideForwardStep, ProfiledStep, RecordedStep, SteadyStep, profiler_running
 from .timeline import StepRecorder
 from .units import Placement, Unit
-from .weight_edits import EditSession, WeightWatch, guard_parameters, unguard_parameter
+from .weight_access import StreamedWeights
+from .weight_edits import EditSession, WeightWatch, edits_discarded, guard_parameters
 
 logger = logging.getLogger("flextensor")
 
 __all__ = ["OffloadEngine", "Phase"]
-
-
-class Phase(enum.Enum):
-    """Where an offloaded model is in its life, and what each phase costs.
-
-    DISCOVERY: units load on demand, one at a time, while the engine learns their execution order and
-        which weights must never stream. Device memory: resident weights plus an arena of the two
-        largest units.
-    PROFILING: the same memory; each unit's copy and compute are timed with device events and the
-        activation peak is measured. Ends with the plan. New input shapes in steady state are profiled
-        again, with the units resident until then kept resident as far as memory allows.
-    INFERENCE: the plan is applied: some units resident, the rest streamed through an arena of
-        ``plan.arena_bytes`` with prefetch. Memory: as planned (at most the budget).
-    """
-
-    DISCOVERY = "discovery"
-    PROFILING = "profiling"
-    INFERENCE = "inference"
 
 
 class OffloadEngine:
@@ -105,18 +83,16 @@ class OffloadEngine:
         self._steady = SteadyStep(self.store)
         self.graphs = GraphCaptures(self.runtime, type(model).__name__)
         self.step: Any = self._outside  # what the unit hooks call (see hooks.py)
-        self._phase_forwards = 0
-        self._discovered = DiscoveryResult()
-        self._samples: list[StepSample] = []
-        self._timing_samples: dict[tuple[str, ...], StepSample] = {}  # discovery forwards, by inputs
-        self._extra_forwards = 0
-        self._compile_discards = 0  # profiling forwards left out because the compiler ran in them
+        self.learning = Learning(config.discovery_forwards, config.profiling_forwards)
+        self.weights = StreamedWeights(
+            model, self.units, self.owner_of, resident_reasons, self.store, self._weight_left_the_stream
+        )
         self.policy = PlanPolicy(self.runtime, target.budget_bytes)
         self._record_next = False
         self._check_next = False  # the first forward from a saved profile checks the model still fits it
-        self._outside_reads = 0
         self._grad_guard = StreamedWeightGuard()
         self.watch = WeightWatch()  # in-place writes into streamed weights between forwards
+        self._rearm_watch = False  # weights left the stream during this forward
         self.editing: EditSession | None = None  # flextensor.editing(model) is open
 
     # -- lifecycle ----------------------------------------------------------------------------------------
@@ -165,10 +141,11 @@ class OffloadEngine:
             )
         edited = self.watch.edited()
         if edited:
-            self._discard_edits(edited)
+            self.watch.arm(self.units.values())
+            raise edits_discarded(self.store, edited)
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
-        if self.phase is Phase.PROFILING and self._samples and signature != self.signature:
+        if self.phase is Phase.PROFILING and self.learning.has_samples() and signature != self.signature:
             # Profiling the previous inputs was cut short by other ones (generate(): a prefill, then
             # decode steps) before it had all its forwards: plan those inputs from what was profiled,
             # rather than mix these inputs' samples into theirs (a plan keyed by these inputs, made
@@ -198,11 +175,11 @@ class OffloadEngine:
 
     def _driver(self) -> Any:
         if self.phase is Phase.DISCOVERY or (self.phase is Phase.INFERENCE and self._check_next):
-            self._outside_reads = 0
+            self.weights.outside_reads = 0
             # Resident units carry no hooks in steady state: their weights are never read "outside".
             streamed = {pid: u for pid, u in self.owner_of.items() if not u.resident}
             checks = BehaviourChecks(
-                self.store, streamed, self._keep_outside_read_resident, self._keep_unit_resident
+                self.store, streamed, self.weights.keep_read_outside_resident, self.weights.keep_unit_resident
             )
             recorder = StepRecorder(self.runtime, self.forwards)
             if self.phase is Phase.DISCOVERY:
@@ -240,29 +217,16 @@ class OffloadEngine:
         driver.begin()
         self.step = driver
 
-    def _discard_edits(self, edited: list[Unit]) -> None:
-        """Streamed weights were written in place outside flextensor.editing(): the bytes written may be
-        another unit's (see [Note: editing streamed weights]). Forget what their arena ranges hold, so
-        every unit there reloads its pack, and refuse the forward before it computes."""
-        owner = self.store.owner
-        for unit in edited:
-            for cell in unit.cells:
-                owner[cell] = None
-        self.watch.arm(self.units.values())
-        names = ", ".join(repr(u.name) for u in edited[:5]) + (", ..." if len(edited) > 5 else "")
-        raise UnsupportedOperationError(
-            f"the weights of offload unit(s) {names} were changed in place outside flextensor.editing(model) "
-            "(e.g. weight.mul_(), copy_(), an init function): a streamed weight views a device range that "
-            "other units' weights overwrite, so the edit was discarded and those units reload their weights "
-            "from host memory. Make the edit inside `with flextensor.editing(model): ...`, then run the model"
-        )
-
     def end_forward(self, error: type[BaseException] | None) -> None:
         """Close the outermost forward: ``error`` is the type of what it raised, if it did."""
         try:
             self._end_forward(error)
         finally:
-            self.watch.refresh()  # compiled unit ops bump the counters of the weights they order by
+            if self._rearm_watch:
+                self._rearm_watch = False
+                self.watch.arm(self.units.values())
+            else:
+                self.watch.refresh()  # compiled unit ops bump the counters of the weights they order by
 
     def _end_forward(self, error: type[BaseException] | None) -> None:
         driver, self.step = self.step, self._outside
@@ -280,7 +244,11 @@ class OffloadEngine:
         if isinstance(driver, DiscoveryStep):
             result = driver.end(error)
             if result is not None:  # a partial order would make a wrong plan: learn again next forward
-                self._after_discovery(result, sample_from_timeline(driver.recorder.timeline()))
+                assert self.signature is not None
+                sample = sample_from_timeline(driver.recorder.timeline())
+                discovered = self.learning.discovered(result, sample, self.signature)
+                if discovered is not None:
+                    self._finish_discovery(discovered)
         elif isinstance(driver, CheckedStep):
             result = driver.end(error)
             if result is None:
@@ -292,11 +260,12 @@ class OffloadEngine:
             self._after_check(result)
         elif isinstance(driver, ProfilingStep):
             sample = driver.end()
-            if error is None and driver.compiled_during() and self._compile_discards < EXTRA_FORWARDS:
-                self._compile_discards += 1
-                logger.info("torch.compile compiled during a profiling forward; profiling one more")
-            elif error is None:
-                self._after_profiling(sample)
+            if error is None:
+                assert self.signature is not None
+                if driver.compiled_during() and self.learning.compiler_ran():
+                    pass  # its times and memory are the compiler's: profile one more forward
+                elif self.learning.profiled(sample, self.signature):
+                    self._plan_from_samples()
             elif issubclass(error, torch.OutOfMemoryError) and any(u.resident for u in self.units.values()):
                 # Units kept resident to profile a new shape left too little room for its activations.
                 self._profile_again_streaming_everything("a profiling forward ran out of device memory")
@@ -319,22 +288,8 @@ class OffloadEngine:
 
     # -- discovery ----------------------------------------------------------------------------------------
 
-    def _after_discovery(self, result: DiscoveryResult, sample: StepSample) -> None:
-        known = set(self._discovered.order)
-        self._discovered.order += [u for u in result.order if u not in known]
-        for unit, reason in result.must_stay_resident.items():
-            self._discovered.must_stay_resident.setdefault(unit, reason)
-        assert self.signature is not None
-        self._timing_samples[self.signature] = sample
-        self._phase_forwards += 1
-        if self._phase_forwards < self.config.discovery_forwards:
-            return
-        self._phase_forwards = 0
-        self._finish_discovery()
-
-    def _finish_discovery(self) -> None:
-        """Keep what must stay resident, forget emptied units, and lay out every unit for profiling."""
-        discovered, self._discovered = self._discovered, DiscoveryResult()
+    def _finish_discovery(self, discovered: DiscoveryResult) -> None:
+        """Forget emptied units and lay out every unit for profiling."""
         # Units that must stay resident were made so when found (see discovery.BehaviourChecks).
         self.runtime.synchronize()  # the packs of dropped units may still be read by copies in flight
         self.drop_empty_units()
@@ -349,40 +304,15 @@ class OffloadEngine:
         self.order = [u for u in discovered.order if u.name in self.units]
         self._lay_out_to_profile()
 
-    def _keep_outside_read_resident(self, param_id: int, func: Any) -> None:
-        unit = self.owner_of.get(param_id)
-        if unit is None:
-            # Already made resident in this forward (a unit found running inside another): the read
-            # tracker's map is the forward's snapshot, and it sees keep_parameter_resident's own
-            # ``param.data = ...`` as a read. Nothing streams any more, so nothing to do.
-            return
-        self._outside_reads += 1
-        self.keep_parameter_resident(
-            param_id, f"read outside its unit {unit.name!r} (by {getattr(func, '__name__', func)})"
-        )
+    def keep_parameter_resident(self, param_id: int, reason: str) -> None:
+        """Stop streaming one parameter, for good (see StreamedWeights.keep_resident)."""
+        self.weights.keep_resident(param_id, reason)
 
-    def _keep_unit_resident(self, unit: Unit, reason: str, current_values: bool) -> None:
-        for _, param, _ in list(unit.parameters):
-            self.keep_parameter_resident(
-                id(param), f"its unit {unit.name!r} must stay resident: {reason}", current_values
-            )
-
-    def keep_parameter_resident(self, param_id: int, reason: str, current_values: bool = False) -> None:
-        """Stop streaming one parameter: give it device storage of its own, for good (plan time, or a
-        learning forward). ``current_values``: copy what the parameter views now (its unit's arena range,
-        which the unit occupies) rather than its pack, to keep an update the forward just made."""
-        unit = self.owner_of.pop(param_id)
-        for i, (fqn, param, entry) in enumerate(unit.parameters):
-            if id(param) == param_id:
-                source = param.data if current_values else unit.kept(entry)
-                with torch.inference_mode(False), torch.no_grad():
-                    param.data = source.to(self.runtime.device, copy=True)
-                del unit.parameters[i]
-                unguard_parameter(param)
-                self.watch.arm(self.units.values())  # no longer a streamed weight
-                self.resident_reasons[fqn] = reason
-                logger.info("keeping %s resident: %s", fqn, reason)
-                return
+    def _weight_left_the_stream(self) -> None:
+        if self.bracket.running:
+            self._rearm_watch = True  # once, at the forward's end: arming walks every weight
+        else:
+            self.watch.arm(self.units.values())
 
     def drop_empty_units(self) -> None:
         """Forget units left with nothing to stream: no hooks, no pack, no place in the order."""
@@ -407,31 +337,11 @@ class OffloadEngine:
         self._lay_out(order, (), provisional_arena_bytes([u.nbytes for u in order]))
         self._enter(Phase.PROFILING)
 
-    def _after_profiling(self, sample: StepSample) -> None:
-        self._samples.append(sample)
-        self._phase_forwards += 1
-        if self._phase_forwards < self.config.profiling_forwards:
-            return
-        assert self.signature is not None
-        timing = self._timing_samples.get(self.signature)
-        if samples_disagree(self._samples, timing) and self._extra_forwards < EXTRA_FORWARDS:
-            self._extra_forwards += 1
-            logger.info("profiled step times disagree by more than 2x; profiling one more forward")
-            return
-        self._plan_from_samples()
-
     def _plan_from_samples(self) -> None:
         """Plan the inputs being profiled from the forwards profiled so far, and enter steady state."""
         assert self.signature is not None
-        timing = self._timing_samples.get(self.signature)
-        timing_only = (timing,) if timing is not None else ()
         link = self.link or LinkModel.constant(1e12)
-        measurements = combine_samples(
-            self._samples, link, self.store.device_bytes_held(), self.signature, timing_only
-        )
-        self._samples, self._phase_forwards, self._extra_forwards = [], 0, 0
-        self._compile_discards = 0
-        self.install_plan(measurements)
+        self.install_plan(self.learning.measurements(link, self.store.device_bytes_held(), self.signature))
 
     def adopt_profile(self, order: list[str], measurements: Measurements, plan: Plan | None) -> None:
         """Enter steady state from a saved profile: its order, its measurements, its plan (None: plan from
@@ -447,7 +357,7 @@ class OffloadEngine:
         fits it. That forward's outputs were right either way (weights loaded on demand)."""
         seen = set(result.order)
         ran = [u for u in self.order if u in seen]
-        changed = self._outside_reads or result.must_stay_resident or result.order != ran
+        changed = self.weights.outside_reads or result.must_stay_resident or result.order != ran
         if not changed:
             return
         logger.warning(
@@ -457,11 +367,8 @@ class OffloadEngine:
         self.plans.clear()
         self.current = None
         known = set(result.order)
-        self._discovered = DiscoveryResult(
-            order=[*result.order, *(u for u in self.order if u not in known)],
-            must_stay_resident=dict(result.must_stay_resident),
-        )
-        self._finish_discovery()
+        order = [*result.order, *(u for u in self.order if u not in known)]
+        self._finish_discovery(DiscoveryResult(order, dict(result.must_stay_resident)))
 
     def install_plan(self, measurements: Measurements, plan: Plan | None = None) -> None:
         """Plan from ``measurements`` (unless given), lay it out, and enter steady state."""
@@ -508,7 +415,7 @@ class OffloadEngine:
         with units held resident. The layout itself is made by the next forward, not here: here the
         failed forward's tensors may still hold the memory it needs."""
         logger.warning("%s: the next forward streams every unit and is profiled again", why)
-        self._samples, self._phase_forwards, self._extra_forwards = [], 0, 0
+        self.learning.restart_profiling()
         self.current, self.signature, self.laid_out = None, None, False
         self._enter(Phase.PROFILING)
 
@@ -548,38 +455,6 @@ class OffloadEngine:
 
     # -- what the hooks ask -------------------------------------------------------------------------------
 
-    def state_dict_entries(self, prefix: str) -> list[tuple[str, torch.Tensor]]:
-        """(key, tensor) for every streamed parameter: its kept copy, since its arena range may hold
-        another unit's bytes. Each tensor has a storage of its own (torch.save and safetensors refuse
-        one storage viewed as several dtypes)."""
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
-        entries = []
-        for unit in self.units.values():
-            if unit.resident or unit.pack is None:
-                continue
-            for fqn, param, entry in unit.parameters:
-                # Its name now: a module added since offload() (a LoRA layer) may have renamed it.
-                key = prefix + names.get(id(param), fqn)
-                entries.append((key, unit.pack.standalone_view(entry)))
-        return entries
-
-    def refuse_load_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None:
-        """Raise before ``load_state_dict`` writes into a streamed weight outside flextensor.editing(); a
-        load that touches only other weights (a peft adapter's) goes through."""
-        if self.editing is not None:
-            return
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
-        for unit in self.units.values():
-            if unit.resident:
-                continue
-            for fqn, param, _ in unit.parameters:
-                if prefix + names.get(id(param), fqn) in state_dict:
-                    raise UnsupportedOperationError(
-                        f"load_state_dict() would write the offloaded weight {fqn!r} into the shared device "
-                        "arena; load inside `with flextensor.editing(model): ...`, or call "
-                        "flextensor.release(model) first, load, then offload again"
-                    )
-
     def accept_weight_versions(self) -> None:
         """Take the streamed weights' version counters as they are now as unedited."""
         self.watch.arm(self.units.values())
@@ -593,25 +468,6 @@ class OffloadEngine:
         self.store.forget_contents()
         self.hooks.hook_units(self.hooks.hooked_units)  # re-mark: parameter names may have changed
         self.watch.arm(self.units.values())
-
-    def refuse_conversion(self, fn: Any) -> None:
-        """Raise before ``Module._apply(fn)`` changes anything if it would give a streamed parameter new
-        storage (a dtype or device conversion); a no-op move passes. Probes one empty tensor per dtype."""
-        probed: set[torch.dtype] = set()
-        for unit in self.units.values():
-            for fqn, param, _ in unit.parameters:
-                if param.dtype in probed:
-                    continue
-                probed.add(param.dtype)
-                probe = torch.empty(0, dtype=param.dtype, device=param.device)
-                applied = fn(probe)
-                if applied is not probe:  # a conversion makes a new tensor; a no-op returns its input
-                    raise UnsupportedOperationError(
-                        f"this conversion would give the offloaded parameter {fqn!r} new storage "
-                        f"({param.dtype} on {param.device} -> {applied.dtype} on {applied.device}), "
-                        "detached from flextensor's buffers; call flextensor.release(model) first, "
-                        "convert, then offload again"
-                    )
 
     def vacate(self) -> int:
         """Give back the device bytes held for units while another component of a pipeline runs; the
@@ -638,37 +494,14 @@ class OffloadEngine:
         offload device). Builds every copy before changing anything: a failure (out of memory) leaves
         the model offloaded and working, and a second call can finish."""
         self.graphs.warn_on_release()
-        target = device if device is not None else self.runtime.device
-        built = self.store.build_released(target)
-        others: list[tuple[Any, str, torch.Tensor]] = []
-        if device is not None:
-            streamed = set(built)
-            for module in self.model.modules():
-                for param in module._parameters.values():
-                    if param is not None and id(param) not in streamed and param.device != device:
-                        others.append((param, "data", param.data.to(device)))
-                for key, buf in module._buffers.items():
-                    if buf is not None and buf.device != device:
-                        others.append((module, key, buf.to(device)))
-        # Nothing below allocates: an interrupt part-way leaves parameters that hold the right values
-        # either way, and the hooks still in place until the end.
-        for unit in self.units.values():
-            for _, param, _ in unit.parameters:
-                param.data = built[id(param)]
-        for owner, key, value in others:
-            if key == "data":
-                owner.data = value
-            else:
-                owner._buffers[key] = value
+        self.weights.swap_in(self.weights.build_released(device))
         self.unguard_parameters()
         self.hooks.detach()
         self.store.free_everything()
 
     def unguard_parameters(self) -> None:
         """Give every unit parameter its own class back (release, or a failed offload)."""
-        for unit in self.units.values():
-            for _, param, _ in unit.parameters:
-                unguard_parameter(param)
+        self.weights.unguard()
 
     # -- introspection ------------------------------------------------------------------------------------
 

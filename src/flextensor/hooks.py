@@ -30,6 +30,7 @@ from .compiled import written_inputs, written_outputs
 from .errors import ConcurrentForwardError, UnsupportedOperationError
 from .plan_policy import input_signature
 from .units import Unit
+from .weight_access import StreamedWeights
 
 logger = logging.getLogger("flextensor")
 
@@ -51,7 +52,9 @@ class Controller(Protocol):
     step: StepDriver
     bracket: ForwardBracket
     runtime: Any  # DeviceRuntime
-    phase: Any  # engine.Phase
+    phase: Any  # learning.Phase
+    weights: StreamedWeights
+    editing: Any  # weight_edits.EditSession while flextensor.editing(model) is open, else None
     entry_methods: tuple[str, ...]  # methods besides forward that bracket a step (see entry_method_names)
 
     def begin_forward(self, signature: tuple[str, ...]) -> None: ...
@@ -63,12 +66,6 @@ class Controller(Protocol):
     def capture_began(self) -> None: ...
 
     def runs_eager(self) -> bool: ...
-
-    def state_dict_entries(self, prefix: str) -> Iterable[tuple[str, torch.Tensor]]: ...
-
-    def refuse_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
-
-    def refuse_load_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None: ...
 
     def accept_weight_versions(self) -> None: ...
 
@@ -454,7 +451,7 @@ class ModelHooks:
 
     def _state_dict_from_host(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
         """A streamed parameter's arena range may hold another unit's bytes: report the kept copy."""
-        for key, tensor in self._controller.state_dict_entries(prefix):
+        for key, tensor in self._controller.weights.state_dict_entries(prefix):
             if key in state_dict:
                 state_dict[key] = tensor
 
@@ -462,12 +459,13 @@ class ModelHooks:
         self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any
     ) -> nn.Module:
         """``nn.Module._apply``, but only when it leaves every streamed parameter where it is."""
-        self._controller.refuse_conversion(fn)
+        self._controller.weights.refuse_conversion(fn)
         model = self._controller.model
         return type(model)._apply(model, fn, *args, **kwargs)
 
     def _refuse_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        self._controller.refuse_load_state_dict(state_dict, prefix)
+        if self._controller.editing is None:  # inside flextensor.editing(), loads are edits
+            self._controller.weights.refuse_load_state_dict(state_dict, prefix)
 
     def __repr__(self) -> str:
         return f"ModelHooks({len(self._model_handles)} model hooks, {len(self._unit_handles)} units hooked)"

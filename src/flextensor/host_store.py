@@ -19,6 +19,7 @@ import logging
 import mmap
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -157,6 +158,7 @@ class UnitPack:
         self.entries = entries
         self.nbytes = nbytes
         self.pinned = False
+        self._reading: Future | None = None  # bytes still being read in (see read_in_background)
         self._owner: PackOwner | None = None
         self._owner_offset = 0
         mapped = align_up(max(nbytes, 1), PAGE)
@@ -165,12 +167,18 @@ class UnitPack:
         if hasattr(mmap, "MADV_HUGEPAGE") and mapped >= 2 * 2**20:
             # Huge pages make the page-locking below several times faster for large units.
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
-        self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=mapped)[:nbytes]
+        self._buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=mapped)[:nbytes]
         self._unlock: weakref.finalize | None = None
         if pin:
-            page_lock(self.buffer, self._held, f"unit {self.unit!r}")
-            self._unlock = unlock_when_gone(self, self._mmap, self.buffer.data_ptr())
-            self.pinned = True
+            self.lock()
+
+    def lock(self) -> None:
+        """Page-lock the pack's memory: the constructor does when asked to pin; a pack filled in the
+        background is locked by its reader, off the caller's thread."""
+        assert self._mmap is not None
+        page_lock(self._buffer, self._held, f"unit {self.unit!r}")
+        self._unlock = unlock_when_gone(self, self._mmap, self._buffer.data_ptr())
+        self.pinned = True
 
     @classmethod
     def over(
@@ -182,13 +190,52 @@ class UnitPack:
         pack.entries = entries
         pack.nbytes = buffer.numel()
         pack.pinned = owner.pinned
+        pack._reading = None
         pack._owner = owner
         pack._owner_offset = buffer.storage_offset()
         pack._mmap = None
         pack._unlock = None
         pack._held = align_up(max(pack.nbytes, 1), PAGE)
-        pack.buffer = buffer
+        pack._buffer = buffer
         return pack
+
+    # [Note: packs filled in the background]
+    # offload(weights=...) returns before every pack is read from the checkpoint, so that the first
+    # forward overlaps the reads (checkpoint.py). Every way to the bytes goes through ``buffer`` (or
+    # ``standalone_view``), which first waits for the pack's read and raises its error, so nothing can
+    # copy, upload, save or release bytes not yet read: one attribute test per access once the read is
+    # done. Only the reader itself and the parameters pointed at the pack before their unit loads use
+    # the bytes unread (``unread_buffer``).
+
+    def read_in_background(self, reading: Future) -> None:
+        """``reading`` fills this pack's bytes; every access to them waits for it from now on."""
+        self._reading = reading
+
+    def wait_read(self) -> None:
+        """Wait until the pack's bytes are all read; raises what the read raised, at every call."""
+        reading = self._reading
+        if reading is not None:
+            reading.result()
+            self._reading = None
+
+    @property
+    def read(self) -> bool:
+        """Whether the pack's bytes are all read, without waiting."""
+        reading = self._reading
+        return reading is None or (reading.done() and not reading.cancelled() and reading.exception() is None)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The pack's bytes (uint8), once read."""
+        if self._reading is not None:
+            self.wait_read()
+        return self._buffer
+
+    @property
+    def unread_buffer(self) -> torch.Tensor:
+        """The pack's memory whether or not its bytes are read yet: for its reader, and to point
+        parameters at before their unit loads (see [Note: packs filled in the background])."""
+        return self._buffer
 
     @property
     def owner(self) -> PackOwner | None:
@@ -215,6 +262,7 @@ class UnitPack:
         only, never the weights other processes read."""
         if entry.numel == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
+        self.wait_read()
         if self._owner is not None:
             flat = self._owner.standalone(self._owner_offset + entry.offset, entry.numel, entry.dtype)
         else:
@@ -228,10 +276,14 @@ class UnitPack:
         The mapping itself is unmapped when the last tensor viewing it dies (each holds a reference to the
         mmap object): a caller may still hold a state_dict() that views it, and must not be left dangling.
         """
+        if self._reading is not None:  # a read still writing into the memory: stop it, or let it end
+            self._reading.cancel()
+            wait([self._reading])
+            self._reading = None
         if self._owner is not None:
             owner, self._owner = self._owner, None
             self.pinned = False
-            del self.buffer
+            del self._buffer
             owner.pack_freed()
             return
         if self._mmap is None:
@@ -240,7 +292,7 @@ class UnitPack:
             self._unlock()
             self._unlock = None
         self.pinned = False
-        del self.buffer
+        del self._buffer
         self._mmap = None
 
     def __repr__(self) -> str:

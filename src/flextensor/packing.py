@@ -11,6 +11,7 @@ copied from the model; meta parameters then become new parameter objects, put ba
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ from .units import Unit
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointLoad
+
+logger = logging.getLogger("flextensor")
 
 __all__ = ["Packing", "check_offloadable", "mark_offloaded", "unmark_offloaded"]
 
@@ -117,15 +120,14 @@ class Packing:
             (name, [(fqn, params[fqn]) for fqn in self.selection.unit_parameters[name]])
             for name in self.selection.units
         ]
+        if self.weights is not None:
+            self._load_checkpoint(self.weights, named_units, modules)
+            self._check_resident_have_data()
+            return self.units
         total = sum(p.numel() * p.element_size() for _, named in named_units for _, p in named)
         what = "Packing and pinning weights" if pin else "Packing weights"
-        if self.weights is not None:
-            total, what = self.weights.nbytes, "Reading weights" + (" into pinned memory" if pin else "")
         with progress_bar(what, total=total, unit="bytes") as bar:
-            if self.weights is not None:
-                self._load_checkpoint(self.weights, named_units, modules, bar.advance)
-                self._check_resident_have_data()
-            elif config.share_host_memory:
+            if config.share_host_memory:
                 from .shared_store import pack_shared
 
                 patterns = [list(config.include_patterns), list(config.exclude_patterns)]
@@ -147,9 +149,9 @@ class Packing:
         weights: CheckpointLoad,
         named_units: list[tuple[str, list[tuple[str, nn.Parameter]]]],
         modules: dict[str, nn.Module],
-        advance: Callable[[int], None],
     ) -> None:
-        """Read the units' packs and the resident tensors from the checkpoint; point the model at them."""
+        """Read the resident tensors from the checkpoint and start reading the units' packs (see [Note:
+        reading while the model runs] in checkpoint.py); point the model at them."""
         from .checkpoint import read_checkpoint
 
         streamed = {id(p) for _, named in named_units for _, p in named}
@@ -158,15 +160,22 @@ class Packing:
             if id(tensor) in weights.sources and id(tensor) not in streamed:
                 resident.setdefault(id(tensor), tensor)
         device = self.target.device
-        packs, values = read_checkpoint(
-            weights, named_units, list(resident.values()), self.target.pin, device, advance
+        total = sum(weights.source_of(t).nbytes for t in resident.values())
+        with progress_bar("Reading the weights kept on the device", total=total, unit="bytes") as bar:
+            packs, values = read_checkpoint(
+                weights, named_units, list(resident.values()), self.target.pin, device, bar.advance
+            )
+        logger.info(
+            "reading %.2f GiB of offloaded weights from %s in the background",
+            (weights.nbytes - total) / 2**30,
+            weights.path,
         )
-        # Everything is read: from here on only pointers change, and each change is recorded for undo.
+        # From here on only pointers change, and each change is recorded for undo.
         self._packs.extend(packs)
         places = _places(self.model)
         for (name, named), pack in zip(named_units, packs, strict=True):
             placed = [
-                (fqn, self._assign_parameter(param, pack.view(entry), places[id(param)]))
+                (fqn, self._assign_parameter(param, entry.view(pack.unread_buffer), places[id(param)]))
                 for (fqn, param), entry in zip(named, pack.entries, strict=True)
             ]
             self._add_unit(name, modules[name], placed, pack)

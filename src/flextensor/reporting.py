@@ -241,7 +241,7 @@ def recorded_timeline(engine: OffloadEngine) -> Timeline:
 
     Shared by :func:`report` and :func:`flextensor.trace`.
     """
-    from .engine import Phase
+    from .learning import Phase
 
     recording = engine.last_recording
     if engine.phase is not Phase.INFERENCE or recording is None or engine.current is None:

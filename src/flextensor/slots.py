@@ -222,6 +222,8 @@ class DeviceStore:
             for unit in order:
                 if any(self.owner[cell] is not None for cell in unit.cells):
                     break
+                if unit.pack is not None and not unit.pack.read:
+                    break  # still being read from a checkpoint: the forward loads it when it needs it
                 copy_into_range(unit, self.owner, stream)
         finally:
             self.runtime.set_stream(previous)

@@ -50,10 +50,18 @@ from .units import Placement, Unit
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
+    from .slots import DeviceStore
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["EditSession", "WeightWatch", "editing", "guard_parameters", "unguard_parameter"]
+__all__ = [
+    "EditSession",
+    "WeightWatch",
+    "editing",
+    "edits_discarded",
+    "guard_parameters",
+    "unguard_parameter",
+]
 
 _VERSION = operator.attrgetter("_version")
 _DATA = torch._C.TensorBase.data  # the real ``.data`` descriptor, under the guard
@@ -167,6 +175,22 @@ class WeightWatch:
             return []
         changed = (u for u, v, was in zip(self._owners, now, self._versions, strict=True) if v != was)
         return list(dict.fromkeys(changed))
+
+
+def edits_discarded(store: DeviceStore, edited: list[Unit]) -> UnsupportedOperationError:
+    """Streamed weights were written in place outside flextensor.editing(): the bytes written may be
+    another unit's. Forget what their arena ranges hold, so every unit there reloads its pack; the error
+    refuses the forward before it computes."""
+    for unit in edited:
+        for cell in unit.cells:
+            store.owner[cell] = None
+    names = ", ".join(repr(u.name) for u in edited[:5]) + (", ..." if len(edited) > 5 else "")
+    return UnsupportedOperationError(
+        f"the weights of offload unit(s) {names} were changed in place outside flextensor.editing(model) "
+        "(e.g. weight.mul_(), copy_(), an init function): a streamed weight views a device range that "
+        "other units' weights overwrite, so the edit was discarded and those units reload their weights "
+        "from host memory. Make the edit inside `with flextensor.editing(model): ...`, then run the model"
+    )
 
 
 @contextmanager

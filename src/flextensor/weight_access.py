@@ -1,0 +1,177 @@
+"""Streamed parameters as the rest of the world sees them, and how one leaves the stream.
+
+A streamed parameter views a range of the device arena that other units' weights overwrite, so what it
+holds between forwards is not its value. Its true bytes are its unit's pack. So:
+
+- ``state_dict()`` reads the packs (:meth:`StreamedWeights.state_dict_entries`);
+- ``load_state_dict()`` into a streamed weight, and a dtype or device conversion that would give one new
+  storage, are refused before anything changes (outside ``flextensor.editing``, see weight_edits.py);
+- a parameter leaves the stream for good with storage of its own on the device: one at a time when
+  discovery finds it must stay resident (:meth:`StreamedWeights.keep_resident`), all of them at
+  ``release()`` (:meth:`StreamedWeights.build_released`, then :meth:`StreamedWeights.swap_in`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedOperationError
+from .slots import DeviceStore
+from .units import Unit
+from .weight_edits import unguard_parameter
+
+logger = logging.getLogger("flextensor")
+
+__all__ = ["StreamedWeights"]
+
+
+class StreamedWeights:
+    """The units' parameters of one offloaded model. Shares the engine's ``units`` and ``owner_of`` maps
+    (the engine removes emptied units from the first; :meth:`keep_resident` removes from the second) and
+    its ``resident_reasons`` (FQN -> why it never streams)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: dict[str, Unit],
+        owner_of: dict[int, Unit],
+        resident_reasons: dict[str, str],
+        store: DeviceStore,
+        on_leave: Callable[[], None],
+    ) -> None:
+        self.model = model
+        self.units = units
+        self.owner_of = owner_of
+        self.resident_reasons = resident_reasons
+        self.store = store
+        self._on_leave = on_leave  # a weight left the stream (the engine re-arms its edit watch)
+        self.outside_reads = 0  # weights found read outside their unit since reset_counts()
+
+    def _names_now(self) -> dict[int, str]:
+        # A module added since offload() (a LoRA layer) may have renamed a parameter.
+        return {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def state_dict_entries(self, prefix: str) -> list[tuple[str, torch.Tensor]]:
+        """(key, tensor) for every streamed parameter: its kept copy, since its arena range may hold
+        another unit's bytes. Each tensor has a storage of its own (torch.save and safetensors refuse
+        one storage viewed as several dtypes)."""
+        names = self._names_now()
+        entries = []
+        for unit in self.units.values():
+            if unit.resident or unit.pack is None:
+                continue
+            for fqn, param, entry in unit.parameters:
+                entries.append((prefix + names.get(id(param), fqn), unit.pack.standalone_view(entry)))
+        return entries
+
+    def refuse_load_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Raise before ``load_state_dict`` writes into a streamed weight; a load that touches only other
+        weights (a peft adapter's) goes through."""
+        names = self._names_now()
+        for unit in self.units.values():
+            if unit.resident:
+                continue
+            for fqn, param, _ in unit.parameters:
+                if prefix + names.get(id(param), fqn) in state_dict:
+                    raise UnsupportedOperationError(
+                        f"load_state_dict() would write the offloaded weight {fqn!r} into the shared device "
+                        "arena; load inside `with flextensor.editing(model): ...`, or call "
+                        "flextensor.release(model) first, load, then offload again"
+                    )
+
+    def refuse_conversion(self, fn: Any) -> None:
+        """Raise before ``Module._apply(fn)`` changes anything if it would give a streamed parameter new
+        storage (a dtype or device conversion); a no-op move passes. Probes one empty tensor per dtype."""
+        probed: set[torch.dtype] = set()
+        for unit in self.units.values():
+            for fqn, param, _ in unit.parameters:
+                if param.dtype in probed:
+                    continue
+                probed.add(param.dtype)
+                probe = torch.empty(0, dtype=param.dtype, device=param.device)
+                applied = fn(probe)
+                if applied is not probe:  # a conversion makes a new tensor; a no-op returns its input
+                    raise UnsupportedOperationError(
+                        f"this conversion would give the offloaded parameter {fqn!r} new storage "
+                        f"({param.dtype} on {param.device} -> {applied.dtype} on {applied.device}), "
+                        "detached from flextensor's buffers; call flextensor.release(model) first, "
+                        "convert, then offload again"
+                    )
+
+    def keep_resident(self, param_id: int, reason: str, current_values: bool = False) -> None:
+        """Stop streaming one parameter: give it device storage of its own, for good (plan time, or a
+        learning forward). ``current_values``: copy what the parameter views now (its unit's arena range,
+        which the unit occupies) rather than its pack, to keep an update the forward just made."""
+        unit = self.owner_of.pop(param_id)
+        for i, (fqn, param, entry) in enumerate(unit.parameters):
+            if id(param) == param_id:
+                source = param.data if current_values else unit.kept(entry)
+                with torch.inference_mode(False), torch.no_grad():
+                    param.data = source.to(self.store.runtime.device, copy=True)
+                del unit.parameters[i]
+                unguard_parameter(param)
+                self.resident_reasons[fqn] = reason
+                logger.info("keeping %s resident: %s", fqn, reason)
+                self._on_leave()
+                return
+
+    def keep_read_outside_resident(self, param_id: int, func: Any) -> None:
+        """Discovery's outside-read tracker saw a streamed weight read while its unit was idle."""
+        unit = self.owner_of.get(param_id)
+        if unit is None:
+            # Already made resident in this forward (a unit found running inside another): the read
+            # tracker's map is the forward's snapshot, and it sees keep_resident's own ``param.data =
+            # ...`` as a read. Nothing streams any more, so nothing to do.
+            return
+        self.outside_reads += 1
+        self.keep_resident(
+            param_id, f"read outside its unit {unit.name!r} (by {getattr(func, '__name__', func)})"
+        )
+
+    def keep_unit_resident(self, unit: Unit, reason: str, current_values: bool) -> None:
+        """Discovery found a unit that must not stream (it runs inside another, updates its weights...)."""
+        for _, param, _ in list(unit.parameters):
+            self.keep_resident(
+                id(param), f"its unit {unit.name!r} must stay resident: {reason}", current_values
+            )
+
+    def build_released(self, device: torch.device | None) -> list[tuple[Any, str, torch.Tensor]]:
+        """Every copy ``release()`` needs, built before anything changes: (owner, "data" or a buffer name,
+        new tensor). Streamed parameters get storage of their own on ``device`` (default: the offload
+        device); with ``device``, every other parameter and buffer moves there too."""
+        target = device if device is not None else self.store.runtime.device
+        built = self.store.build_released(target)
+        swaps: list[tuple[Any, str, torch.Tensor]] = []
+        for unit in self.units.values():
+            for _, param, _ in unit.parameters:
+                swaps.append((param, "data", built[id(param)]))
+        if device is not None:
+            for module in self.model.modules():
+                for param in module._parameters.values():
+                    if param is not None and id(param) not in built and param.device != device:
+                        swaps.append((param, "data", param.data.to(device)))
+                for key, buf in module._buffers.items():
+                    if buf is not None and buf.device != device:
+                        swaps.append((module, key, buf.to(device)))
+        return swaps
+
+    @staticmethod
+    def swap_in(swaps: list[tuple[Any, str, torch.Tensor]]) -> None:
+        """Install what :meth:`build_released` built. Allocates nothing: an interrupt part-way leaves
+        parameters that hold the right values either way."""
+        for owner, key, value in swaps:
+            if key == "data":
+                owner.data = value
+            else:
+                owner._buffers[key] = value
+
+    def unguard(self) -> None:
+        """Give every unit parameter its own class back (release, or a failed offload)."""
+        for unit in self.units.values():
+            for _, param, _ in unit.parameters:
+                unguard_parameter(param)
