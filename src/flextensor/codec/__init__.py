@@ -1,0 +1,83 @@
+"""Lossless compression of bfloat16 / float16 weights, decoded on the GPU (or on the CPU for device="cpu").
+
+When a step is bound by the host-to-device link, moving fewer bytes is the only way to go faster: the bf16
+exponent byte carries about 2.5 bits, so a value stored as its sign+mantissa byte plus a short code for its
+exponent takes ~0.69 of its size, and a GPU kernel restores the exact bits at hundreds of GB/s.
+
+    encoded = codec.encode(weight)            # on the CPU, once, at pack time
+    restored = codec.decode(encoded)          # CPU reference decoder
+    codec.decode(encoded.to("cuda"), out=t)   # Triton decoder, bit-identical, on the current stream
+
+The format (format.py) is cut into chunks of a few thousand values, each decodable alone by one GPU
+program. Modules: ``format`` (the layout and :class:`EncodedTensor`), ``encoder`` (vectorised CPU encoder),
+``reference`` (the vectorised CPU decoder, the definition every decoder matches), ``triton_decoder`` (the
+GPU kernel, imported lazily).
+
+How it plugs into the engine (the next step; nothing here is wired in yet):
+
+- ``OffloadConfig(compression="lossless")`` (off by default). At pack time each unit's bf16/fp16
+  parameters are encoded; the unit's pack holds, per parameter, the ``data`` stream in pinned memory (all
+  of a unit's streams back to back, so one copy moves them) and the per-chunk index. The index is small
+  (9 bytes per 4096 values) and read only by the kernel: it is copied to the device once at plan time and
+  stays resident. Other dtypes are stored as they are and copied as today.
+- The planner sizes copies by the compressed bytes (what crosses the link) and adds a device *staging*
+  ring of compressed size next to the arena slots: the copy stream fills a staging slot, records an event;
+  the decode stream waits for it, decodes each parameter into its arena range (``decode(encoded, out=view)``
+  with the stream's ``data`` viewing the staging slot), records the event the unit's pre-hook waits on,
+  and frees the staging slot. Decode runs concurrently with compute (the GPU is mostly idle in a
+  link-bound step); its time (~2 bytes written per value at hundreds of GB/s) joins the copy in the
+  simulator's model of the load.
+- ``device="cpu"`` decodes with :func:`decode_reference`, so the CPU tests exercise the same streams the
+  GPU reads; outputs stay bit-for-bit those of the uncompressed model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CodecError
+from .encoder import encode
+from .format import CODED_DTYPES, DEFAULT_CHUNK_ELEMENTS, EncodedTensor
+from .reference import decode_reference
+
+__all__ = [
+    "CODED_DTYPES",
+    "DEFAULT_CHUNK_ELEMENTS",
+    "EncodedTensor",
+    "decode",
+    "decode_reference",
+    "encode",
+]
+
+
+def decode(encoded: EncodedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode ``encoded`` on the device its stream is on, into ``out`` (new if None); return the tensor.
+
+    A CPU stream decodes with the reference decoder; a CUDA stream with the Triton kernel, on the current
+    CUDA stream (no synchronisation: order it after the stream's copy with an event). ``out`` must be a
+    contiguous tensor of the encoded dtype and element count, on the stream's device.
+    """
+    device = encoded.data.device
+    if device.type == "cpu":
+        return decode_reference(encoded, out)
+    if device.type != "cuda":
+        raise CodecError(f"no decoder for streams on {device}: move the EncodedTensor to the CPU or a CUDA device")
+    encoded.check(read_widths=False)  # widths were checked when encoded; reading them here would sync
+    if out is None:
+        out = torch.empty(encoded.shape, dtype=encoded.dtype, device=device)
+    if out.dtype != encoded.dtype or out.numel() != encoded.numel or not out.is_contiguous() or out.device != device:
+        raise CodecError(
+            f"decode needs a contiguous {encoded.dtype} output of {encoded.numel} elements on {device}; got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    if not encoded.coded:
+        out.view(-1).view(torch.uint8).copy_(encoded.data)
+        return out
+    try:
+        from .triton_decoder import decode_triton
+    except ImportError as error:
+        raise CodecError(
+            "decoding a compressed stream on CUDA needs Triton, which this torch build lacks: install the "
+            "CUDA build of torch (it ships triton) or `pip install triton`"
+        ) from error
+    return decode_triton(encoded, out)
