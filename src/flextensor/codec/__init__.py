@@ -61,11 +61,14 @@ def decode(encoded: EncodedTensor, out: torch.Tensor | None = None) -> torch.Ten
     if device.type == "cpu":
         return decode_reference(encoded, out)
     if device.type != "cuda":
-        raise CodecError(f"no decoder for streams on {device}: move the EncodedTensor to the CPU or a CUDA device")
+        raise CodecError(
+            f"no decoder for streams on {device}: move the EncodedTensor to the CPU or a CUDA device"
+        )
     encoded.check(read_widths=False)  # widths were checked when encoded; reading them here would sync
     if out is None:
         out = torch.empty(encoded.shape, dtype=encoded.dtype, device=device)
-    if out.dtype != encoded.dtype or out.numel() != encoded.numel or not out.is_contiguous() or out.device != device:
+    fits = out.dtype == encoded.dtype and out.numel() == encoded.numel and out.is_contiguous()
+    if not fits or out.device != device:
         raise CodecError(
             f"decode needs a contiguous {encoded.dtype} output of {encoded.numel} elements on {device}; got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}"

@@ -49,6 +49,7 @@ def encode(tensor: torch.Tensor, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -
     if sys.byteorder != "little":  # the bit packing views int64 words as bytes
         raise NotImplementedError("the codec's encoder assumes a little-endian host")
     numel = flat.numel()
+    pairs = flat.view(torch.uint8).view(numel, 2)  # (numel, 2): low, high byte of each value
     literal = torch.empty(numel, dtype=torch.uint8)
     payloads: list[torch.Tensor] = []
     offsets: list[torch.Tensor] = []
@@ -56,9 +57,8 @@ def encode(tensor: torch.Tensor, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -
     batch = max(chunk_elements, _BATCH_ELEMENTS // chunk_elements * chunk_elements)
     written = numel  # payloads start after the literal bytes
     for start in range(0, numel, batch):
-        values = flat[start : start + batch].view(torch.int16).to(torch.int32) & 0xFFFF
-        lit, sym = split_bytes(values, tensor.dtype)
-        literal[start : start + values.numel()] = lit
+        lit, sym = split_bytes(pairs[start : start + batch], tensor.dtype)
+        literal[start : start + lit.numel()] = lit
         payload, local_offsets, batch_widths = _encode_symbols(sym, chunk_elements)
         payloads.append(payload)
         offsets.append(local_offsets + written)
@@ -79,23 +79,28 @@ def _encode_symbols(symbols: torch.Tensor, chunk: int) -> tuple[torch.Tensor, to
     """Symbol bytes of whole chunks (the last may be short) -> (payload, payload offsets, widths)."""
     count = symbols.numel()
     num_chunks = -(-count // chunk)
-    padded = torch.zeros(num_chunks * chunk, dtype=torch.int64)
+    padded = torch.zeros(num_chunks * chunk, dtype=torch.uint8)
     padded[:count] = symbols
     sym = padded.view(num_chunks, chunk)  # (chunks, chunk)
     lengths = torch.full((num_chunks,), chunk, dtype=torch.int64)
     lengths[-1] = count - (num_chunks - 1) * chunk
-    valid = torch.arange(chunk).unsqueeze(0) < lengths.unsqueeze(1)  # (chunks, chunk)
+    # keys: chunk * 256 + symbol, the index into any (chunks, 256) per-chunk table, flattened
+    keys = sym.to(torch.int64).add_((torch.arange(num_chunks) * 256).unsqueeze(1))  # (chunks, chunk)
 
-    histogram = _chunk_histograms(sym, valid)  # (chunks, 256)
+    histogram = torch.bincount(keys.view(-1), minlength=num_chunks * 256).view(num_chunks, 256)
+    histogram[-1, 0] -= num_chunks * chunk - count  # the padding is not data
     counts_sorted, order = torch.sort(histogram, dim=1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(256).expand(num_chunks, 256))
     width, table_len, code_len = _best_widths(counts_sorted, lengths)
-    escape_code = (1 << width) - 1  # (chunks,)
 
-    code = rank.gather(1, sym)
-    coded = width < LITERAL_WIDTH
-    code = torch.where(coded.unsqueeze(1), torch.minimum(code, escape_code.unsqueeze(1)), sym)
-    escaped = valid & coded.unsqueeze(1) & (code == escape_code.unsqueeze(1))
+    # Per chunk, symbol -> code and symbol -> "is escaped", as (chunks, 256) tables looked up by key.
+    coded = (width < LITERAL_WIDTH).unsqueeze(1)
+    escape_code = ((1 << width) - 1).unsqueeze(1)
+    code_of = torch.where(coded, torch.minimum(rank, escape_code), torch.arange(256)).to(torch.uint8)
+    escape_of = coded & (rank >= escape_code)
+    code = torch.take(code_of, keys)  # (chunks, chunk) uint8
+    escaped = torch.take(escape_of, keys)
+    escaped.view(-1)[count:] = False
     escape_counts = escaped.sum(1)
 
     sizes = table_len + code_len + escape_counts
@@ -106,19 +111,12 @@ def _encode_symbols(symbols: torch.Tensor, chunk: int) -> tuple[torch.Tensor, to
         if rows.numel():
             _write_group(payload, rows, w, offsets, order, code, code_len, chunk)
     # Escaped symbols, chunk by chunk in element order, after each chunk's codes.
-    escape_symbols = sym[escaped].to(torch.uint8)
+    escape_symbols = sym[escaped]
     chunk_of = torch.repeat_interleave(torch.arange(num_chunks), escape_counts)
     first = torch.cumsum(escape_counts, 0) - escape_counts
     within = torch.arange(escape_symbols.numel()) - first[chunk_of]
     payload[(offsets + table_len + code_len)[chunk_of] + within] = escape_symbols
     return payload, offsets, width.to(torch.uint8)
-
-
-def _chunk_histograms(sym: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(chunks, chunk) symbols -> (chunks, 256) counts of the valid ones."""
-    num_chunks = sym.shape[0]
-    keys = sym + (torch.arange(num_chunks) * 256).unsqueeze(1)
-    return torch.bincount(keys[valid], minlength=num_chunks * 256).view(num_chunks, 256)
 
 
 def _best_widths(
@@ -152,14 +150,21 @@ def _write_group(
     """Write the tables and packed codes of the chunks ``rows``, which all use ``width``."""
     start = offsets[rows].unsqueeze(1)
     if width == LITERAL_WIDTH:
-        packed = code[rows].to(torch.uint8)  # (rows, chunk)
+        packed = code[rows]  # (rows, chunk): the symbols themselves
     else:
         table_len = (1 << width) - 1
         payload[start + torch.arange(table_len)] = order[rows, :table_len].to(torch.uint8)
         start = start + table_len
-        shifts = torch.arange(8) * width
-        words = (code[rows].view(-1, chunk // 8, 8) << shifts).sum(-1)  # (rows, chunk/8): 8 codes a word
-        packed = words.view(torch.uint8).view(-1, chunk // 8, 8)[:, :, :width].reshape(rows.numel(), -1)
-    column = torch.arange(packed.shape[1])
-    keep = column.unsqueeze(0) < code_len[rows].unsqueeze(1)  # the short last chunk keeps fewer bytes
-    payload[(start + column)[keep]] = packed[keep]
+        word = torch.int32 if 8 * width <= 31 else torch.int64
+        shifts = torch.arange(8, dtype=word) * width
+        words = (code[rows].view(-1, chunk // 8, 8).to(word) << shifts).sum(-1, dtype=word)  # 8 codes a word
+        bytes_per_word = word.itemsize
+        packed = words.view(torch.uint8).view(-1, chunk // 8, bytes_per_word)[:, :, :width]
+        packed = packed.reshape(rows.numel(), -1)  # (rows, chunk / 8 * width)
+    columns = packed.shape[1]
+    last_short = int(code_len[rows[-1]]) < columns  # only a tensor's last chunk may be short
+    full = rows.numel() - int(last_short)
+    payload[start[:full] + torch.arange(columns)] = packed[:full]
+    if last_short:
+        tail = int(code_len[rows[-1]])
+        payload[int(start[-1]) : int(start[-1]) + tail] = packed[-1, :tail]

@@ -55,7 +55,7 @@ CODED_DTYPES = (torch.bfloat16, torch.float16)
 """The dtypes whose values are coded; any other dtype is stored as it is."""
 
 DEFAULT_CHUNK_ELEMENTS = 4096
-"""Elements per chunk: one GPU program decodes one chunk; the per-chunk index and table cost ~0.03 bit a value."""
+"""Values per chunk: one GPU program decodes one chunk; index and table cost ~0.03 bit a value."""
 
 LITERAL_WIDTH = 8
 """The code width that means "the symbols themselves, no table, no escapes"."""
@@ -74,7 +74,7 @@ def check_chunk_elements(chunk_elements: int) -> None:
     ):
         raise CodecError(
             f"chunk_elements={chunk_elements!r} is not a power of two between {MIN_CHUNK_ELEMENTS} and "
-            f"{MAX_CHUNK_ELEMENTS}: pick one such as {DEFAULT_CHUNK_ELEMENTS} (a GPU program decodes one chunk)"
+            f"{MAX_CHUNK_ELEMENTS}: pick one such as {DEFAULT_CHUNK_ELEMENTS} (a GPU program per chunk)"
         )
 
 
@@ -142,7 +142,9 @@ class EncodedTensor:
         ``read_widths=False`` checks shapes and dtypes only, reading no values (no device sync on CUDA).
         """
         if self.data.dtype != torch.uint8 or self.data.dim() != 1:
-            raise CodecError(f"encoded data must be a 1-D uint8 tensor, got {self.data.dtype} {self.data.shape}")
+            raise CodecError(
+                f"encoded data must be a 1-D uint8 tensor, got {self.data.dtype} {tuple(self.data.shape)}"
+            )
         if not self.coded:
             if self.data.numel() != self.raw_nbytes or self.num_chunks:
                 raise CodecError(
@@ -159,31 +161,32 @@ class EncodedTensor:
             or self.chunk_offsets.numel() != expected_chunks
         ):
             raise CodecError(
-                f"the index of an encoded {tuple(self.shape)} tensor must have {expected_chunks} uint8 widths "
-                f"and int64 offsets; got {self.chunk_widths.dtype}[{self.num_chunks}] and "
+                f"the index of an encoded {tuple(self.shape)} tensor must have {expected_chunks} uint8 "
+                f"widths and int64 offsets; got {self.chunk_widths.dtype}[{self.num_chunks}] and "
                 f"{self.chunk_offsets.dtype}[{self.chunk_offsets.numel()}]; re-encode the tensor"
             )
-        if read_widths and expected_chunks and not bool(
-            ((self.chunk_widths >= 1) & (self.chunk_widths <= LITERAL_WIDTH)).all()
+        if (
+            read_widths
+            and expected_chunks
+            and not bool(((self.chunk_widths >= 1) & (self.chunk_widths <= LITERAL_WIDTH)).all())
         ):
             raise CodecError("chunk widths must lie in [1, 8]: the encoding is corrupt; re-encode the tensor")
         if self.data.numel() < self.numel + 1:
             raise CodecError("the encoded stream is shorter than its literal bytes: re-encode the tensor")
 
 
-def split_bytes(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """16-bit patterns (int32, 0..65535) -> (literal bytes, symbol bytes), both uint8, as in the docstring."""
+def split_bytes(pairs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 2) bytes of 16-bit values (low, high: little-endian) -> (literal, symbol) bytes, (n,) each."""
+    low, high = pairs[:, 0], pairs[:, 1]
     if dtype == torch.bfloat16:
-        literal = ((values >> 8) & 0x80) | (values & 0x7F)
-        symbol = (values >> 7) & 0xFF
-    else:
-        literal = values & 0xFF
-        symbol = values >> 8
-    return literal.to(torch.uint8), symbol.to(torch.uint8)
+        return (high & 0x80) | (low & 0x7F), (high << 1) | (low >> 7)  # uint8 arithmetic drops the carry
+    return low.clone(), high.clone()
 
 
 def join_bytes(literal: torch.Tensor, symbol: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(literal, symbol) as int32 -> the 16-bit patterns (int32, 0..65535): the inverse of split_bytes."""
+    """(literal, symbol) uint8 -> the (n, 2) little-endian bytes of the values: the inverse of split_bytes."""
     if dtype == torch.bfloat16:
-        return ((literal & 0x80) << 8) | (symbol << 7) | (literal & 0x7F)
-    return (symbol << 8) | literal
+        low = ((symbol & 1) << 7) | (literal & 0x7F)
+        high = (literal & 0x80) | (symbol >> 1)
+        return torch.stack([low, high], 1)
+    return torch.stack([literal, symbol], 1)

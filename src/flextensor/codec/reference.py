@@ -27,17 +27,17 @@ def decode_reference(encoded: EncodedTensor, out: torch.Tensor | None = None) ->
         if encoded.numel:
             flat.view(torch.uint8).copy_(encoded.data)
         return out
-    bits = flat.view(torch.int16)
+    pairs = flat.view(torch.uint8).view(-1, 2)  # (numel, 2): low, high byte of each value
     chunk = encoded.chunk_elements
     chunks_per_batch = max(1, _BATCH_ELEMENTS // chunk)
     widths = encoded.chunk_widths.to(torch.int64)
     for first in range(0, encoded.num_chunks, chunks_per_batch):
         last = min(first + chunks_per_batch, encoded.num_chunks)
-        values = _decode_chunks(encoded, first, last, widths[first:last], encoded.chunk_offsets[first:last])
-        start = first * chunk
-        bits[start : start + values.numel()] = torch.where(values >= 1 << 15, values - (1 << 16), values).to(
-            torch.int16
+        literal, symbol = _decode_chunks(
+            encoded, first, last, widths[first:last], encoded.chunk_offsets[first:last]
         )
+        start = first * chunk
+        pairs[start : start + literal.numel()] = join_bytes(literal, symbol, encoded.dtype)
     return out
 
 
@@ -54,30 +54,32 @@ def _output_for(encoded: EncodedTensor, out: torch.Tensor | None) -> torch.Tenso
 
 def _decode_chunks(
     encoded: EncodedTensor, first: int, last: int, width: torch.Tensor, base: torch.Tensor
-) -> torch.Tensor:
-    """Chunks [first, last) -> their values as int32 bit patterns (0..65535), flat."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks [first, last) -> their (literal, symbol) bytes, each flat uint8."""
     data = encoded.data
     chunk = encoded.chunk_elements
-    index = first * chunk + torch.arange((last - first) * chunk).view(-1, chunk)  # (chunks, chunk)
-    valid = index < encoded.numel
-    lengths = valid.sum(1)
-    j = torch.arange(chunk).unsqueeze(0)
-    width, base = width.unsqueeze(1), base.unsqueeze(1)
+    start, stop = first * chunk, min(last * chunk, encoded.numel)
+    count = stop - start
+    lengths = torch.full((last - first,), chunk, dtype=torch.int64)
+    lengths[-1] = count - (last - first - 1) * chunk
+    width, base = width.unsqueeze(1), base.unsqueeze(1)  # (chunks, 1)
 
-    literal_chunk = width == LITERAL_WIDTH
+    coded = width < LITERAL_WIDTH
     escape_code = (1 << width) - 1
-    code_start = base + torch.where(literal_chunk, 0, escape_code)  # after the table
-    bit = j * width
-    byte = torch.where(valid, code_start + (bit >> 3), 0)
-    pair = data[byte].to(torch.int64) | (data[byte + 1].to(torch.int64) << 8)
-    code = (pair >> (bit & 7)) & escape_code
+    code_start = base + torch.where(coded, escape_code, 0)  # after the table
+    bit = torch.arange(chunk) * width  # (chunks, chunk)
+    byte = (bit >> 3).add_(code_start)
+    if count < (last - first) * chunk:  # a short last chunk: keep the lanes past its end in bounds
+        byte.clamp_(max=data.numel() - 2)
+    pair = data[byte].to(torch.int32) | (data[byte + 1].to(torch.int32) << 8)
+    code = (pair >> (bit & 7).to(torch.int32)) & escape_code.to(torch.int32)
+    del pair, byte, bit
 
-    escaped = valid & ~literal_chunk & (code == escape_code)
-    escape_rank = torch.cumsum(escaped, 1) - 1
-    escape_start = code_start + width * ((lengths.unsqueeze(1) + 7) // 8)
-    from_escape = data[torch.where(escaped, escape_start + escape_rank, 0)]
-    from_table = data[torch.where(valid & ~literal_chunk & ~escaped, base + code, 0)]
-    symbol = torch.where(literal_chunk, code, torch.where(escaped, from_escape, from_table).to(torch.int64))
-
-    literal = data[torch.where(valid, index, 0)].to(torch.int64)
-    return join_bytes(literal, symbol, encoded.dtype)[valid]
+    escaped = (code == escape_code) & coded
+    escape_rank = torch.cumsum(escaped, 1, dtype=torch.int64)  # 1-based among the chunk's escapes
+    escape_start = code_start - 1 + width * ((lengths.unsqueeze(1) + 7) // 8)
+    lookup = torch.where(escaped, escape_rank.add_(escape_start), code.to(torch.int64).add_(base))
+    if count < (last - first) * chunk:
+        lookup.clamp_(max=data.numel() - 1)
+    symbol = torch.where(coded, data[lookup], code.to(torch.uint8)).view(-1)[:count]
+    return data[start:stop], symbol

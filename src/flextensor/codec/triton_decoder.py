@@ -56,11 +56,12 @@ def _decode_chunk_kernel(
     escape_rank = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
     escape_start = code_start + width * ((length + 7) // 8)
     from_escape = tl.load(data_ptr + escape_start + escape_rank, mask=escaped, other=0).to(tl.int32)
-    from_table = tl.load(data_ptr + base + code, mask=valid & coded & (code != escape_code), other=0).to(tl.int32)
+    in_table = valid & coded & (code != escape_code)
+    from_table = tl.load(data_ptr + base + code, mask=in_table, other=0).to(tl.int32)
     symbol = tl.where(coded, tl.where(escaped, from_escape, from_table), code)
 
     literal = tl.load(data_ptr + index, mask=valid, other=0).to(tl.int32)
-    if BFLOAT16:
+    if BFLOAT16:  # noqa: SIM108 (a constexpr branch reads better in a kernel)
         value = ((literal & 0x80) << 8) | (symbol << 7) | (literal & 0x7F)
     else:
         value = (symbol << 8) | literal
