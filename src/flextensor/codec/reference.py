@@ -79,7 +79,6 @@ def _decode_chunks(
     escape_rank = torch.cumsum(escaped, 1, dtype=torch.int64)  # 1-based among the chunk's escapes
     escape_start = code_start - 1 + width * ((lengths.unsqueeze(1) + 7) // 8)
     lookup = torch.where(escaped, escape_rank.add_(escape_start), code.to(torch.int64).add_(base))
-    if count < (last - first) * chunk:
-        lookup.clamp_(max=data.numel() - 1)
+    lookup.clamp_(max=data.numel() - 1)  # lanes of stored chunks and past the end read a byte they ignore
     symbol = torch.where(coded, data[lookup], code.to(torch.uint8)).view(-1)[:count]
     return data[start:stop], symbol
