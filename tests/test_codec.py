@@ -124,9 +124,7 @@ def test_width_follows_the_data_constant_chunks_take_one_bit_random_bytes_are_st
     assert_round_trip(patterns(torch.randint(0, 1 << 16, (8192,)), torch.bfloat16), 4096)
 
 
-@pytest.mark.parametrize(
-    ("shape", "limit"), [((512, 2048), 0.72), ((2048, 512), 0.72), ((32000, 64), 0.72)]
-)
+@pytest.mark.parametrize(("shape", "limit"), [((512, 2048), 0.72), ((2048, 512), 0.72), ((32000, 64), 0.72)])
 def test_benchmark_weights_compress_to_at_most_0_72(shape: tuple[int, int], limit: float) -> None:
     encoded = codec.encode(weights(shape))
     assert encoded.ratio <= limit
@@ -168,7 +166,7 @@ def test_a_bad_chunk_size_is_a_clear_error(chunk_elements: object) -> None:
 
 def test_a_mismatched_output_is_a_clear_error() -> None:
     encoded = codec.encode(weights((8, 8)))
-    with pytest.raises(CodecError, match="contiguous torch.bfloat16 output of 64 elements"):
+    with pytest.raises(CodecError, match=r"contiguous torch\.bfloat16 output of 64 elements"):
         codec.decode(encoded, out=torch.empty(64, dtype=torch.float16))
     with pytest.raises(CodecError, match="64 elements"):
         codec.decode(encoded, out=torch.empty(65, dtype=torch.bfloat16))
@@ -206,5 +204,7 @@ def test_importing_and_cpu_decoding_never_import_triton() -> None:
         "codec.decode(codec.encode(torch.ones(100, dtype=torch.bfloat16)))\n"
         "print('triton' in sys.modules, 'flextensor.codec.triton_decoder' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.split() == ["False", "False"]
