@@ -61,11 +61,11 @@ LITERAL_WIDTH = 8
 """The code width that means "the symbols themselves, no table, no escapes"."""
 
 MIN_CHUNK_ELEMENTS = 64
-MAX_CHUNK_ELEMENTS = 1 << 16
+MAX_CHUNK_ELEMENTS = 1 << 14  # one Triton block per chunk: larger blocks spill registers
 
 
 def check_chunk_elements(chunk_elements: int) -> None:
-    """Raise CodecError unless ``chunk_elements`` is a power of two in [64, 65536]."""
+    """Raise CodecError unless ``chunk_elements`` is a power of two in [64, 16384]."""
     if (
         not isinstance(chunk_elements, int)
         or isinstance(chunk_elements, bool)
