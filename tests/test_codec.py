@@ -21,7 +21,7 @@ from flextensor import codec
 from flextensor.errors import CodecError, FlexTensorError
 
 CODED = [torch.bfloat16, torch.float16]
-CHUNKS = [64, 128, 256, 1024, 4096]
+CHUNKS = [64, 128, 256, 1024, 4096, 16384]
 
 
 def patterns(values: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -239,3 +239,18 @@ def test_the_triton_kernel_interpreted_on_the_cpu_matches_the_reference() -> Non
         [sys.executable, "-c", INTERPRETED_KERNEL], capture_output=True, text=True, timeout=600, env=env
     )
     assert out.returncode == 0 and out.stdout.strip() == "match", out.stderr[-3000:]
+
+
+def test_a_whole_pack_with_mixed_dtypes_and_padding_viewed_as_bfloat16_round_trips_byte_for_byte() -> None:
+    # How the engine is to use the codec: a unit's pack (parameters at aligned offsets) encoded as one tensor.
+    pieces = [
+        weights((256, 512)).view(torch.uint8).reshape(-1),
+        torch.zeros(512, dtype=torch.uint8),  # alignment padding
+        torch.randn(300).view(torch.uint8),  # a float32 norm
+        torch.zeros(304, dtype=torch.uint8),
+        weights((128, 512)).view(torch.uint8).reshape(-1),
+    ]
+    pack = torch.cat(pieces)
+    encoded = codec.encode(pack.view(torch.bfloat16))
+    assert torch.equal(codec.decode(encoded).view(torch.uint8), pack)
+    assert encoded.ratio < 0.72

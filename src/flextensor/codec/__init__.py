@@ -2,7 +2,7 @@
 
 When a step is bound by the host-to-device link, moving fewer bytes is the only way to go faster: the bf16
 exponent byte carries about 2.5 bits, so a value stored as its sign+mantissa byte plus a short code for its
-exponent takes ~0.69 of its size, and a GPU kernel restores the exact bits at hundreds of GB/s.
+exponent takes ~0.70 of its size, and a GPU kernel restores the exact bits at hundreds of GB/s.
 
     encoded = codec.encode(weight)            # on the CPU, once, at pack time
     restored = codec.decode(encoded)          # CPU reference decoder
@@ -15,18 +15,20 @@ GPU kernel, imported lazily).
 
 How it plugs into the engine (the next step; nothing here is wired in yet):
 
-- ``OffloadConfig(compression="lossless")`` (off by default). At pack time each unit's bf16/fp16
-  parameters are encoded; the unit's pack holds, per parameter, the ``data`` stream in pinned memory (all
-  of a unit's streams back to back, so one copy moves them) and the per-chunk index. The index is small
-  (9 bytes per 4096 values) and read only by the kernel: it is copied to the device once at plan time and
-  stays resident. Other dtypes are stored as they are and copied as today.
+- ``OffloadConfig(compression="lossless")`` (off by default). At pack time each unit's pack (one buffer,
+  its parameters at 512-byte-aligned offsets, laid out exactly like the unit's arena range) is encoded as
+  *one* tensor: the pack's bytes viewed as bfloat16 (or float16 for an fp16 model). Every bit pattern
+  round-trips, so parameters of other dtypes (fp32 norms) and the alignment padding pass through intact,
+  just less compressed, and a single decode launch rebuilds the whole arena range. The pinned pack then
+  holds the compressed ``data`` stream instead of the raw bytes. The per-chunk index (9 bytes per 4096
+  values, read only by the kernel) is copied to the device once at plan time and stays resident.
 - The planner sizes copies by the compressed bytes (what crosses the link) and adds a device *staging*
-  ring of compressed size next to the arena slots: the copy stream fills a staging slot, records an event;
-  the decode stream waits for it, decodes each parameter into its arena range (``decode(encoded, out=view)``
+  ring of compressed size next to the arena slots: the copy stream fills a staging slot and records an
+  event; a decode stream waits on it, decodes into the unit's arena range (``decode(encoded, out=range)``
   with the stream's ``data`` viewing the staging slot), records the event the unit's pre-hook waits on,
-  and frees the staging slot. Decode runs concurrently with compute (the GPU is mostly idle in a
-  link-bound step); its time (~2 bytes written per value at hundreds of GB/s) joins the copy in the
-  simulator's model of the load.
+  and releases the staging slot. Decoding runs next to compute (the GPU is mostly idle in a link-bound
+  step); its time (about 2 bytes written per value at hundreds of GB/s) joins the copy in the simulator's
+  model of a load.
 - ``device="cpu"`` decodes with :func:`decode_reference`, so the CPU tests exercise the same streams the
   GPU reads; outputs stay bit-for-bit those of the uncompressed model.
 """
