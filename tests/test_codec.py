@@ -190,6 +190,13 @@ def test_a_corrupt_index_is_a_clear_error() -> None:
     )
     with pytest.raises(CodecError, match="re-encode"):
         codec.decode(short_index)
+    past_the_end = encoded.chunk_offsets.clone()
+    past_the_end[-1] = encoded.data.numel()
+    bad_offsets = codec.EncodedTensor(
+        encoded.dtype, encoded.shape, 1024, encoded.data, past_the_end, encoded.chunk_widths
+    )
+    with pytest.raises(CodecError, match="offsets must rise"):
+        codec.decode(bad_offsets)
     assert issubclass(CodecError, FlexTensorError)
 
 

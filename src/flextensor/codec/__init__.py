@@ -66,7 +66,7 @@ def decode(encoded: EncodedTensor, out: torch.Tensor | None = None) -> torch.Ten
         raise CodecError(
             f"no decoder for streams on {device}: move the EncodedTensor to the CPU or a CUDA device"
         )
-    encoded.check(read_widths=False)  # widths were checked when encoded; reading them here would sync
+    encoded.check(read_index=False)  # reading the index here would sync; it was checked when encoded
     if out is None:
         out = torch.empty(encoded.shape, dtype=encoded.dtype, device=device)
     fits = out.dtype == encoded.dtype and out.numel() == encoded.numel and out.is_contiguous()

@@ -78,16 +78,16 @@ def _encode_coded(
         offsets.append(local_offsets + written)
         widths.append(batch_widths)
         written += payload.numel()
-    padding = torch.zeros(1, dtype=torch.uint8)
+    padding = torch.zeros(1, dtype=torch.uint8)  # keeps a decoder's two-byte read of the last code in bounds
+    chunk_offsets = torch.cat(offsets) if offsets else torch.empty(0, dtype=torch.int64)
+    chunk_widths = torch.cat(widths) if widths else torch.empty(0, dtype=torch.uint8)
     return EncodedTensor(
         dtype=dtype,
         shape=shape,
         chunk_elements=chunk_elements,
         data=torch.cat([literal, *payloads, padding]).cpu(),
-        chunk_offsets=torch.cat(offsets).cpu()
-        if offsets
-        else torch.empty(0, dtype=torch.int64, device="cpu"),
-        chunk_widths=torch.cat(widths).cpu() if widths else torch.empty(0, dtype=torch.uint8, device="cpu"),
+        chunk_offsets=chunk_offsets.cpu(),
+        chunk_widths=chunk_widths.cpu(),
     )
 
 

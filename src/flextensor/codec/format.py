@@ -136,10 +136,10 @@ class EncodedTensor:
             chunk_widths=self.chunk_widths.to(device, non_blocking=non_blocking),
         )
 
-    def check(self, read_widths: bool = True) -> None:
+    def check(self, read_index: bool = True) -> None:
         """Raise CodecError if the index does not fit the stream (a corrupt or hand-made encoding).
 
-        ``read_widths=False`` checks shapes and dtypes only, reading no values (no device sync on CUDA).
+        ``read_index=False`` checks shapes and dtypes only, reading no values (no device sync on CUDA).
         """
         if self.data.dtype != torch.uint8 or self.data.dim() != 1:
             raise CodecError(
@@ -165,14 +165,21 @@ class EncodedTensor:
                 f"widths and int64 offsets; got {self.chunk_widths.dtype}[{self.num_chunks}] and "
                 f"{self.chunk_offsets.dtype}[{self.chunk_offsets.numel()}]; re-encode the tensor"
             )
-        if (
-            read_widths
-            and expected_chunks
-            and not bool(((self.chunk_widths >= 1) & (self.chunk_widths <= LITERAL_WIDTH)).all())
-        ):
-            raise CodecError("chunk widths must lie in [1, 8]: the encoding is corrupt; re-encode the tensor")
         if self.data.numel() < self.numel + 1:
             raise CodecError("the encoded stream is shorter than its literal bytes: re-encode the tensor")
+        if read_index and expected_chunks:
+            self._check_index_values()
+
+    def _check_index_values(self) -> None:
+        widths, offsets = self.chunk_widths, self.chunk_offsets
+        if not bool(((widths >= 1) & (widths <= LITERAL_WIDTH)).all()):
+            raise CodecError("chunk widths must lie in [1, 8]: the encoding is corrupt; re-encode the tensor")
+        inside = int(offsets[0]) >= self.numel and int(offsets[-1]) < self.data.numel()
+        if not inside or not bool((offsets[1:] >= offsets[:-1]).all()):
+            raise CodecError(
+                "chunk offsets must rise from the end of the literal bytes and stay inside the stream: the "
+                "encoding is corrupt; re-encode the tensor"
+            )
 
 
 def split_bytes(pairs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

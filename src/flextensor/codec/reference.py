@@ -20,6 +20,8 @@ _BATCH_ELEMENTS = 1 << 21
 
 def decode_reference(encoded: EncodedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a CPU-resident ``encoded`` into ``out`` (a new tensor if None) and return it."""
+    if encoded.data.device.type != "cpu":
+        raise CodecError(f"the reference decoder reads CPU streams; this one is on {encoded.data.device}")
     encoded.check()
     out = _output_for(encoded, out)
     flat = out.view(-1)
