@@ -88,7 +88,11 @@ def _drawn_tensor(kind: str, length: int, dtype: torch.dtype, seed: int) -> torc
 def test_drawn_tensors_round_trip(
     dtype: torch.dtype, kind: str, length: int, chunk_elements: int, seed: int
 ) -> None:
-    assert_round_trip(_drawn_tensor(kind, length, dtype, seed), chunk_elements)
+    tensor = _drawn_tensor(kind, length, dtype, seed)
+    assert_round_trip(tensor, chunk_elements)
+    encoded = codec.encode(tensor, chunk_elements)
+    index_bytes = 9 * encoded.num_chunks
+    assert encoded.nbytes <= 2 * length + index_bytes + 1  # never larger than raw, but for the index
 
 
 @pytest.mark.parametrize("dtype", CODED)

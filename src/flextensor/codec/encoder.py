@@ -107,17 +107,16 @@ def _encode_symbols(symbols: torch.Tensor, chunk: int) -> tuple[torch.Tensor, to
     histogram[-1, 0] -= num_chunks * chunk - count  # the padding is not data
     counts_sorted, order = torch.sort(histogram, dim=1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(256).expand(num_chunks, 256))
-    width, table_len, code_len = _best_widths(counts_sorted, lengths)
+    width, table_len, code_len, escape_counts = _best_widths(counts_sorted, lengths)
 
-    # Per chunk, symbol -> code and symbol -> "is escaped", as (chunks, 256) tables looked up by key.
+    # Per chunk, symbol -> code as a (chunks, 256) table looked up by key.
     coded = (width < LITERAL_WIDTH).unsqueeze(1)
     escape_code = ((1 << width) - 1).unsqueeze(1)
     code_of = torch.where(coded, torch.minimum(rank, escape_code), torch.arange(256)).to(torch.uint8)
-    escape_of = coded & (rank >= escape_code)
     code = torch.take(code_of, keys)  # (chunks, chunk) uint8
-    escaped = torch.take(escape_of, keys)
+    # A stored chunk's escape code (255) is out of reach: 256 as uint8 would wrap, so compare in int16.
+    escaped = code == torch.where(coded, escape_code, 256).to(torch.int16)
     escaped.view(-1)[count:] = False
-    escape_counts = escaped.sum(1)
 
     sizes = table_len + code_len + escape_counts
     offsets = torch.cumsum(sizes, 0) - sizes
@@ -137,8 +136,9 @@ def _encode_symbols(symbols: torch.Tensor, chunk: int) -> tuple[torch.Tensor, to
 
 def _best_widths(
     counts_sorted: torch.Tensor, lengths: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per chunk, the width with the smallest payload: (width, table bytes, code bytes), each (chunks,)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per chunk, the width with the smallest payload: (width, table bytes, code bytes, escapes), each
+    (chunks,)."""
     covered = torch.cumsum(counts_sorted, 1)  # covered[:, t]: values among the t + 1 most frequent symbols
     groups = (lengths + 7) // 8
     candidates = [
@@ -150,7 +150,10 @@ def _best_widths(
     literal = width == LITERAL_WIDTH
     table_len = torch.where(literal, 0, (1 << width) - 1)
     code_len = torch.where(literal, lengths, width * groups)
-    return width, table_len, code_len
+    escapes = torch.where(
+        literal, 0, lengths - covered.gather(1, (table_len - 1).clamp(min=0).unsqueeze(1))[:, 0]
+    )
+    return width, table_len, code_len, escapes
 
 
 def _write_group(
