@@ -42,6 +42,25 @@ def benchmark_weights(quick: bool, dtype: torch.dtype) -> Iterator[tuple[str, to
         yield name, (torch.randn(rows, cols, generator=generator) / math.sqrt(cols)).to(dtype)
 
 
+def wider_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    """Stand-ins for trained weights, whose exponents spread wider than a Gaussian's (2048 x 2048, bf16)."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (2048, 2048)
+
+    def row_scales(sigma: float) -> torch.Tensor:
+        return torch.exp(torch.randn(shape[0], 1, generator=generator) * sigma)
+
+    torch.manual_seed(0)  # torch.distributions sample from the global generator
+    kinds = {
+        "rows scaled by lognormal(0, 0.5)": torch.randn(shape, generator=generator) * row_scales(0.5),
+        "rows scaled by lognormal(0, 1)": torch.randn(shape, generator=generator) * row_scales(1.0),
+        "Student-t, 3 degrees of freedom": torch.distributions.StudentT(3.0).sample(shape),
+        "Laplace": torch.distributions.Laplace(0.0, 1.0).sample(shape),
+    }
+    for name, values in kinds.items():
+        yield name, (values / math.sqrt(shape[1])).to(torch.bfloat16)
+
+
 def transformers_llama(quick: bool) -> nn.Module:
     """A LlamaForCausalLM initialised by transformers (normal(0, 0.02) linears and embeddings, unit norms)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -160,6 +179,8 @@ def main() -> None:
         "transformers LlamaForCausalLM init, bf16", list(transformers_llama(args.quick).named_parameters())
     )
     measure("diffusers WanTransformerBlock init, bf16", list(wan_block(args.quick).named_parameters()))
+    for name, tensor in wider_weights():
+        measure(f"{name}, bf16", [("weight", tensor)])
 
 
 if __name__ == "__main__":
