@@ -78,7 +78,7 @@ def check_chunk_elements(chunk_elements: int) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq on tensors is ambiguous; compare the fields with torch.equal
 class EncodedTensor:
     """A tensor losslessly compressed: the byte stream, its per-chunk index, and what to rebuild.
 
@@ -93,6 +93,13 @@ class EncodedTensor:
     data: torch.Tensor
     chunk_offsets: torch.Tensor
     chunk_widths: torch.Tensor
+
+    def __repr__(self) -> str:
+        how = f"{self.num_chunks} chunks of {self.chunk_elements}" if self.coded else "stored"
+        return (
+            f"EncodedTensor({str(self.dtype).removeprefix('torch.')}{list(self.shape)}, {how}, "
+            f"{self.nbytes} bytes = {self.ratio:.3f} of raw, on {self.data.device})"
+        )
 
     @property
     def numel(self) -> int:
