@@ -265,3 +265,54 @@ def test_a_whole_pack_with_mixed_dtypes_and_padding_viewed_as_bfloat16_round_tri
     encoded = codec.encode(pack.view(torch.bfloat16))
     assert torch.equal(codec.decode(encoded).view(torch.uint8), pack)
     assert encoded.ratio < 0.72
+
+
+def decode_as_documented(encoded: codec.EncodedTensor) -> list[int]:
+    """A slow, element-by-element reading of the layout format.py's docstring describes."""
+    data = encoded.data.tolist()
+    numel, chunk = encoded.numel, encoded.chunk_elements
+    values = []
+    index = zip(encoded.chunk_widths.tolist(), encoded.chunk_offsets.tolist(), strict=True)
+    for c, (width, offset) in enumerate(index):
+        length = min(chunk, numel - c * chunk)
+        table_len = 0 if width == 8 else 2**width - 1
+        table = data[offset : offset + table_len]
+        codes_at = offset + table_len
+        escapes_at = codes_at + (length if width == 8 else width * -(-length // 8))
+        escapes_seen = 0
+        for j in range(length):
+            code = sum(
+                ((data[codes_at + (j * width + b) // 8] >> ((j * width + b) % 8)) & 1) << b
+                for b in range(width)
+            )
+            if width == 8:
+                symbol = code
+            elif code == 2**width - 1:
+                symbol = data[escapes_at + escapes_seen]
+                escapes_seen += 1
+            else:
+                symbol = table[code]
+            literal = data[c * chunk + j]
+            if encoded.dtype == torch.bfloat16:
+                values.append(((literal & 0x80) << 8) | (symbol << 7) | (literal & 0x7F))
+            else:
+                values.append((symbol << 8) | literal)
+    return values
+
+
+@pytest.mark.parametrize("dtype", CODED)
+def test_the_stream_follows_the_documented_layout(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(5)
+    tensor = torch.cat(
+        [
+            (torch.randn(300, generator=generator) / 20).to(dtype),
+            torch.ones(256, dtype=dtype),
+            patterns(torch.randint(0, 1 << 16, (256,), generator=generator), dtype),
+            torch.full((5,), math.nan, dtype=dtype),
+        ]
+    )
+    encoded = codec.encode(tensor, 256)
+    widths = encoded.chunk_widths.tolist()  # a table chunk, one-bit chunks with escapes, a short stored one
+    assert 2 <= widths[0] < 8 and widths[1:3] == [1, 1] and widths[3] == 8
+    expected = (tensor.view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+    assert decode_as_documented(encoded) == expected
