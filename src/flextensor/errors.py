@@ -19,7 +19,9 @@
     ├── SharedMemoryError                 the node-wide shared host copy cannot be created or attached
     ├── ConcurrentForwardError            a forward entered from a second thread while one runs
     ├── BackwardNotSupportedError         a backward pass reached weights that were streamed for inference
-    └── NoCudaError                       a CUDA-only command (``flextensor probe``) without a CUDA device
+    ├── NoCudaError                       a CUDA-only command (``flextensor probe``) without a CUDA device
+    └── CodecError (ValueError)           a compressed stream that cannot be decoded as asked (corrupt index,
+                                          wrong output, no decoder for its device)
 
 Each message names the object at fault, the constraint and what to do.
 """
@@ -89,3 +91,7 @@ class BackwardNotSupportedError(FlexTensorError, RuntimeError):
 
 class NoCudaError(FlexTensorError, RuntimeError):
     """A command that needs a CUDA device ran without one."""
+
+
+class CodecError(FlexTensorError, ValueError):
+    """A compressed weight stream cannot be encoded or decoded as asked (see flextensor.codec)."""

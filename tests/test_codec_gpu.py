@@ -1,0 +1,112 @@
+"""On a CUDA device: the Triton decoder matches the CPU reference bit for bit, and a GPU encode the CPU's.
+
+Run on the GPU machine with ``pytest -m gpu tests/test_codec_gpu.py``; elsewhere these skip visibly. The
+throughput is measured by ``python -m benchmarks.codec_decode`` (no test asserts a time).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from flextensor import codec
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="needs Triton (CUDA builds of torch)"
+    ),
+]
+
+CODED = [torch.bfloat16, torch.float16]
+
+
+def patterns(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    bits = values.to(torch.int32)
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(dtype)
+
+
+def drawn(kind: str, length: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "weights":
+        return (torch.randn(length, generator=generator) / math.sqrt(4096)).to(dtype)
+    if kind == "random bits":
+        return patterns(torch.randint(0, 1 << 16, (length,), generator=generator), dtype)
+    if kind == "nan and specials":
+        pool = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-40, -1e-40, 1.0], dtype=dtype)
+        return pool[torch.randint(0, pool.numel(), (length,), generator=generator)]
+    return torch.full((length,), 0.5, dtype=dtype)
+
+
+def assert_gpu_matches_reference(tensor: torch.Tensor, chunk_elements: int) -> None:
+    encoded = codec.encode(tensor, chunk_elements)
+    reference = codec.decode_reference(encoded)
+    on_gpu = codec.decode(encoded.to("cuda"))
+    assert on_gpu.is_cuda and on_gpu.dtype == tensor.dtype and on_gpu.shape == tensor.shape
+    assert torch.equal(on_gpu.cpu().view(torch.int16), reference.view(torch.int16))
+    assert torch.equal(reference.view(torch.int16), tensor.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", CODED)
+@pytest.mark.parametrize("chunk_elements", [64, 1024, 4096, 16384])
+def test_every_bit_pattern_decodes_on_the_gpu_as_on_the_cpu(dtype: torch.dtype, chunk_elements: int) -> None:
+    every = patterns(torch.arange(1 << 16), dtype)
+    assert_gpu_matches_reference(every, chunk_elements)
+    shuffled = every[torch.randperm(1 << 16, generator=torch.Generator().manual_seed(0))]
+    assert_gpu_matches_reference(shuffled, chunk_elements)
+
+
+@pytest.mark.parametrize("dtype", CODED)
+@pytest.mark.parametrize("kind", ["weights", "random bits", "nan and specials", "constant"])
+@pytest.mark.parametrize("length", [0, 1, 7, 4095, 4097, 100_003])
+def test_drawn_tensors_decode_on_the_gpu_as_on_the_cpu(dtype: torch.dtype, kind: str, length: int) -> None:
+    for chunk_elements in (64, 4096):
+        assert_gpu_matches_reference(drawn(kind, length, dtype, seed=length), chunk_elements)
+
+
+@pytest.mark.parametrize("dtype", CODED)
+def test_a_large_weight_decodes_on_the_gpu_as_on_the_cpu(dtype: torch.dtype) -> None:
+    weight = (torch.randn(8192, 4100) / 64).to(dtype)
+    assert_gpu_matches_reference(weight, 4096)
+
+
+@pytest.mark.parametrize("dtype", CODED)
+def test_encoding_on_the_gpu_gives_the_cpu_encoding(dtype: torch.dtype) -> None:
+    weight = torch.cat([drawn(k, 50_001, dtype, 3) for k in ("weights", "random bits", "nan and specials")])
+    on_cpu = codec.encode(weight, 1024)
+    on_gpu = codec.encode(weight.cuda(), 1024, device="cuda")
+    assert on_gpu.data.device.type == "cpu"
+    assert torch.equal(on_gpu.data, on_cpu.data)
+    assert torch.equal(on_gpu.chunk_offsets, on_cpu.chunk_offsets)
+    assert torch.equal(on_gpu.chunk_widths, on_cpu.chunk_widths)
+
+
+def test_a_decode_ordered_after_a_side_stream_copy_fills_its_arena_range_only() -> None:
+    weight = (torch.randn(2048, 1024) / 32).to(torch.bfloat16)
+    encoded = codec.encode(weight)
+    pinned = encoded.data.pin_memory()
+    arena = torch.full((4 * weight.numel(),), 3.0, dtype=torch.bfloat16, device="cuda")
+    staging = torch.empty_like(pinned, device="cuda")
+    index = encoded.to("cuda")
+    copy_stream, decode_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    copied = torch.cuda.Event()
+    with torch.cuda.stream(copy_stream):
+        staging.copy_(pinned, non_blocking=True)
+        copied.record()
+    on_device = codec.EncodedTensor(
+        encoded.dtype, encoded.shape, encoded.chunk_elements, staging, index.chunk_offsets, index.chunk_widths
+    )
+    target = arena[weight.numel() : 2 * weight.numel()]
+    with torch.cuda.stream(decode_stream):
+        decode_stream.wait_event(copied)
+        codec.decode(on_device, out=target)
+    torch.cuda.current_stream().wait_stream(decode_stream)
+    result = arena.cpu()
+    assert torch.equal(
+        result[weight.numel() : 2 * weight.numel()].view(torch.int16), weight.view(-1).view(torch.int16)
+    )
+    assert (result[: weight.numel()] == 3).all() and (result[2 * weight.numel() :] == 3).all()
