@@ -29,9 +29,7 @@ Files are created ``O_EXCL`` with mode 0600 and must belong to this user. Three 
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import glob
 import hashlib
 import json
 import logging
@@ -40,8 +38,7 @@ import os
 import struct
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +54,16 @@ from .host_store import (
     page_lock,
     unlock_when_gone,
     unpack,
+)
+from .segment_files import (
+    SegmentLayout,
+    create_segment,
+    inspect_segment,
+    leave_segment,
+    live_segments,
+    mark_ready,
+    segment_mutex,
+    sweep_leftovers,
 )
 from .selection import parameter_signatures
 from .sizes import align_up, format_bytes
@@ -75,24 +82,11 @@ POLL_S = 0.05
 between_units_hook: Callable[[int], None] | None = None
 """Tests only: called with the unit index after the creator packs each unit (to pause or crash there)."""
 
-_MAGIC = b"FTSHM001"
-_HEADER = struct.Struct("<8sII Q 32s 32s")  # magic, state, creator pid, total bytes, layout, content
-_STATE_OFFSET = 8
-_PACKING, _READY = 0, 1
 _SAMPLES = 8  # raw byte windows hashed per parameter, on top of the sum of all its bytes
 _WINDOW = 256
 
 Named = Sequence[tuple[str, nn.Parameter]]
 Advance = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class SegmentLayout:
-    """Where each unit sits in the segment: (unit, entries, offset, nbytes); ``key`` hashes all of it."""
-
-    units: tuple[tuple[str, tuple[PackedParameter, ...], int, int], ...]
-    total: int
-    key: bytes
 
 
 def segment_layout(model: nn.Module, units: Sequence[tuple[str, Named]], patterns: object) -> SegmentLayout:
@@ -152,7 +146,7 @@ class SharedSegment:
             self._pinned = True
         # Runs at close(), when this object dies, or at exit: whichever comes first, once. Made last:
         # if anything above fails, the caller still owns ``fd`` and leaves.
-        self._leave = weakref.finalize(self, _leave, path, fd, os.getpid())
+        self._leave = weakref.finalize(self, leave_segment, path, fd, os.getpid())
 
     @property
     def pinned(self) -> bool:
@@ -177,7 +171,7 @@ class SharedSegment:
             self.close()
 
     def set_ready(self) -> None:
-        self._mmap[_STATE_OFFSET : _STATE_OFFSET + 4] = struct.pack("<I", _READY)
+        mark_ready(self._mmap)
 
     def close(self) -> None:
         """Unpin and leave: the last process to leave removes the segment."""
@@ -220,7 +214,7 @@ def pack_shared(
     prefix = os.path.join(SHM_DIR, f"flextensor-{os.getuid()}-{layout.key.hex()[:16]}-")
     has_data = all(p.device.type != "meta" for _, named in units for _, p in named)
     digest = content_digest([p.data for _, named in units for _, p in named]) if has_data else b""
-    _sweep_leftovers()
+    sweep_leftovers(SHM_DIR)
     deadline = time.monotonic() + timeout
     waited = False
     stuck = "if that process is stuck, stop it (a later start removes what it left)"
@@ -228,10 +222,10 @@ def pack_shared(
     while True:
         if has_data:
             path = prefix + digest.hex()[:16] + (f"-{collisions}" if collisions else "")
-            with _mutex(path):
-                state, fd = _inspect(path, layout)
+            with segment_mutex(path):
+                state, fd = inspect_segment(path, layout)
                 if state in ("absent", "removed"):
-                    fd = _create(path, layout, digest)
+                    fd = create_segment(path, layout, digest)
                     state = "created"
             # Packing happens outside the mutex, so that others keep polling (and can time out).
             if state == "created":
@@ -244,7 +238,7 @@ def pack_shared(
                 continue
             what, hint = f"another process to finish packing the weights into {path}", stuck
         else:
-            live = _live_segments(prefix, layout)
+            live = live_segments(prefix, layout)
             ready = [(path, fd) for path, fd in live if fd is not None]
             if len(live) > 1:
                 for _, fd in ready:
@@ -300,14 +294,14 @@ def _pack_as_creator(
             if between_units_hook is not None:
                 between_units_hook(index)
         segment.set_ready()
-        with _mutex(path):
+        with segment_mutex(path):
             fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive: others may attach now
     except BaseException:
         for pack, (_, named) in zip(packs, units, strict=False):
             unpack(pack, named)
             pack.free()  # the last one frees the segment, and so removes it
         if segment is None:
-            _leave(path, fd, os.getpid())
+            leave_segment(path, fd, os.getpid())
         elif not packs:
             segment.close()
         raise
@@ -334,7 +328,7 @@ def _attach(
     try:
         segment = SharedSegment(path, fd, layout.total, pin)
     except BaseException:
-        _leave(path, fd, os.getpid())
+        leave_segment(path, fd, os.getpid())
         raise
     packs = [segment.pack(name, entries, off, n) for name, entries, off, n in layout.units]
     if verify and not _holds(packs, units):
@@ -373,153 +367,3 @@ def _holds(packs: Sequence[UnitPack], units: Sequence[tuple[str, Named]]) -> boo
             if not torch.equal(mine, theirs):
                 return False
     return True
-
-
-# -- files and locks -----------------------------------------------------------------------------------
-
-
-def _open_own(path: str, flags: int) -> int:
-    """Open ``path`` (never through a symlink) and check it is this user's and private to them."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    st = os.fstat(fd)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        os.close(fd)
-        raise SharedMemoryError(
-            f"{path} belongs to another user or is open to others (mode {st.st_mode & 0o777:o}); "
-            "flextensor only maps its own private segments: remove the file, or set share_host_memory=False"
-        )
-    return fd
-
-
-@contextmanager
-def _mutex(path: str) -> Iterator[None]:
-    """Hold ``<path>.lock`` exclusively; remove it on the way out if the segment is gone."""
-    lock = path + ".lock"
-    while True:
-        fd = _open_own(lock, os.O_RDWR | os.O_CREAT)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # removed (or replaced) while we waited for it: lock what is there now
-    try:
-        yield
-    finally:
-        if not os.path.exists(path):
-            os.unlink(lock)
-        os.close(fd)
-
-
-def _inspect(path: str, layout: SegmentLayout | None) -> tuple[str, int | None]:
-    """Under the mutex: "absent", "packing", "removed" (a leftover) or "ready" with an fd holding a
-    shared lock. With ``layout`` None (a sweep) the fd is never kept."""
-    try:
-        fd = _open_own(path, os.O_RDWR)
-    except FileNotFoundError:
-        return "absent", None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return "packing", None
-    magic, state, pid, total, key, _ = _HEADER.unpack(os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size))
-    if _try_exclusive(fd):
-        if state == _PACKING:
-            logger.warning("process %d died while packing %s; removing what it left", pid, path)
-        os.unlink(path)  # nobody holds it: a leftover of processes that were killed, or died packing
-        os.close(fd)
-        return "removed", None
-    if layout is None or magic != _MAGIC or state != _READY:
-        os.close(fd)
-        return ("ready" if state == _READY else "packing"), None
-    if key != layout.key or total != layout.total:
-        os.close(fd)
-        raise SharedMemoryError(
-            f"{path} holds another parameter layout than this model's (a name collision); remove it once "
-            "no process uses it, or set share_host_memory=False"
-        )
-    return "ready", fd
-
-
-def _try_exclusive(fd: int) -> bool:
-    """Upgrade this fd's shared lock to exclusive if no one else holds the file; else keep it shared."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        # A failed upgrade may have dropped the shared lock (flock(2)); take it back. Every exclusive
-        # request goes through the mutex, which the caller holds, so this cannot block.
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        return False
-
-
-def _live_segments(prefix: str, layout: SegmentLayout) -> list[tuple[str, int | None]]:
-    """Segments of this layout in use: (path, fd holding a shared lock) when ready, (path, None) packing."""
-    live = []
-    for path in sorted(p for p in glob.glob(glob.escape(prefix) + "*") if not p.endswith(".lock")):
-        with _mutex(path):
-            state, fd = _inspect(path, layout)
-        if state in ("ready", "packing"):
-            live.append((path, fd))
-    return live
-
-
-def _sweep_leftovers() -> None:
-    """Remove this user's segments that no process holds (their processes were killed)."""
-    for path in glob.glob(os.path.join(SHM_DIR, f"flextensor-{os.getuid()}-*")):
-        if path.endswith(".lock"):
-            continue
-        try:
-            with _mutex(path):
-                _inspect(path, None)
-        except (SharedMemoryError, OSError) as exc:
-            logger.debug("not sweeping %s: %s", path, exc)
-
-
-def _create(path: str, layout: SegmentLayout, digest: bytes) -> int:
-    """Under the mutex: create the segment, locked exclusively, its memory reserved, header PACKING."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        try:
-            # Reserve every page now: writing past a full tmpfs later would kill us with SIGBUS.
-            os.posix_fallocate(fd, 0, layout.total)
-        except OSError as exc:
-            if exc.errno == errno.EFBIG:  # RLIMIT_FSIZE (ulimit -f) is below the segment's size
-                raise SharedMemoryError(
-                    f"the file-size limit (ulimit -f) is below the {format_bytes(layout.total)} shared "
-                    "segment of weights; raise it (ulimit -f unlimited) or set share_host_memory=False"
-                ) from None
-            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
-                raise
-            raise SharedMemoryError(
-                f"{SHM_DIR} has too little room for the {format_bytes(layout.total)} of shared weights; "
-                "enlarge it (e.g. docker run --shm-size) or set share_host_memory=False"
-            ) from None
-        os.pwrite(fd, _HEADER.pack(_MAGIC, _PACKING, os.getpid(), layout.total, layout.key, digest), 0)
-    except BaseException:
-        os.unlink(path)
-        os.close(fd)
-        raise
-    return fd
-
-
-def _leave(path: str, fd: int, pid: int) -> None:
-    """Drop this process's hold on a segment, removing it if no other process holds it."""
-    if os.getpid() != pid:
-        return  # a forked child shares the parent's lock: releasing it would release the parent's
-    try:
-        with _mutex(path):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    os.unlink(path)
-            except BlockingIOError:
-                pass
-    except (OSError, SharedMemoryError) as exc:
-        # Often at exit: say why, but do not fail; a later start removes the segment if it is left.
-        logger.warning("could not leave the shared segment %s cleanly: %s", path, exc)
-    finally:
-        os.close(fd)
