@@ -190,6 +190,21 @@ class UnitPack:
         pack.buffer = buffer
         return pack
 
+    def pin(self) -> None:
+        """Page-lock this pack's own memory (the host budget decides which packs are); no-op if pinned."""
+        if self.pinned or self._mmap is None:
+            return
+        page_lock(self.buffer, self._held, f"unit {self.unit!r}")
+        self._unlock = unlock_when_gone(self, self._mmap, self.buffer.data_ptr())
+        self.pinned = True
+
+    def unpin(self) -> None:
+        """Page-unlock this pack's own memory (no copy may be reading it); no-op if not pinned by it."""
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock = None
+            self.pinned = False
+
     @property
     def owner(self) -> PackOwner | None:
         """What holds this pack's memory when the pack does not own it (a shared segment), else None."""
