@@ -127,3 +127,28 @@ def test_host_budget_is_the_tighter_of_explicit_and_detected() -> None:
     assert resolve_host_budget(None, HostLimits(wsl=True)) == WSL_PINNED_CAP
     assert resolve_host_budget(GiB, HostLimits(wsl=True)) == WSL_PINNED_CAP
     assert resolve_host_budget(2**20, HostLimits(wsl=True)) == 2**20
+
+
+def test_probe_result_shows_staged_copies_and_host_limits() -> None:
+    import io
+    import json
+
+    from rich.console import Console
+
+    from flextensor.probe import CopyMeasurement, PinMeasurement, ProbeResult
+
+    mib = 2**20
+    result = ProbeResult(
+        "cuda:0",
+        "Test GPU",
+        (CopyMeasurement("host_to_device", True, 16 * mib, 16 * mib / 20e9),),
+        (PinMeasurement("torch pin_memory()", 16 * mib, 0.1),),
+        staged=(CopyMeasurement("host_to_device", False, 16 * mib, 16 * mib / 8e9),),
+        host_limits=HostLimits(wsl=True).describe(),
+    )
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["staged"][0]["gbps"] == pytest.approx(8.0) and "WSL True" in data["host_limits"]
+    out = io.StringIO()
+    Console(file=out, width=160).print(result)
+    text = out.getvalue()
+    assert "H2D staged" in text and "8.0" in text and "host limits: memlock" in text
