@@ -104,7 +104,8 @@ def page_lock(buffer: torch.Tensor, nbytes: int, what: str) -> None:
     if int(err) != 0:
         raise PinningError(
             f"could not page-lock {nbytes} bytes of host memory for {what} "
-            f"(cudaHostRegister error {int(err)}); raise the memlock limit (ulimit -l) or pass "
+            f"(cudaHostRegister error {int(err)}); raise the memlock limit (ulimit -l), bound pinning with "
+            "OffloadConfig(host_memory_budget=...) (see docs/host-memory.md), or pass "
             "OffloadConfig(pinned_memory=False)"
         )
 
