@@ -239,3 +239,22 @@ def test_simulator_refuses_staged_units_that_do_not_stream() -> None:
     )
     with pytest.raises(flextensor.PlanError, match="staged"):
         simulate(bad, m)
+
+
+@torch.no_grad()
+def test_a_pipeline_shares_the_host_budget_by_weight_bytes() -> None:
+    torch.manual_seed(0)
+    parts = {
+        "big": torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(6))),
+        "small": torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(2))),
+    }
+    x = torch.randn(2, 128)
+    expected = parts["small"](parts["big"](x))
+    budget = 2**20
+    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", host_memory_budget=budget))
+    outputs = [parts["small"](parts["big"](x)) for _ in range(LEARN + 1)]
+    assert all(torch.equal(out, expected) for out in outputs)
+    shares = {name: flextensor.status(module).host_budget_bytes for name, module in parts.items()}
+    assert shares["big"] is not None and shares["small"] is not None
+    assert shares["big"] + shares["small"] <= budget and shares["big"] == 3 * shares["small"]
+    flextensor.release(parts)

@@ -142,9 +142,7 @@ class OffloadEngine:
         units = self.units.values()
         self.hooks.hook_units(u for u in units if phase is not Phase.INFERENCE or not u.resident)
 
-    def _lay_out(
-        self, streamed: list[Unit], resident: Any, arena_bytes: int, staged: Any = None
-    ) -> None:
+    def _lay_out(self, streamed: list[Unit], resident: Any, arena_bytes: int, staged: Any = None) -> None:
         self.laid_out = False
         self.store.lay_out(streamed, resident, arena_bytes, staged)
         self.laid_out = True
