@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["HostBudget", "host_budget_target", "probe_links", "probe_staged_link"]
+__all__ = ["PIN_THREADS", "HostBudget", "host_budget_target", "probe_links", "probe_staged_link"]
+
+PIN_THREADS = 8
+"""Packs page-locked at once when many are pinned after packing (under a host budget packs are built
+unpinned, then pinned here): ``cudaHostRegister`` spends its time populating and locking pages, which the
+driver may do for several mappings in parallel (``flextensor probe``'s "threads at once" row says whether
+it does on a machine; not measured for this choice). The same count ``offload(weights=...)`` pins with,
+one pack per reading thread."""
 
 
 def host_budget_target(config: OffloadConfig, target: Target) -> Target:
@@ -91,8 +99,7 @@ class HostBudget:
         when the budget cannot hold even the ring."""
         total = sum(_held(u) for u in units)
         if self.budget_bytes is None or total <= self.budget_bytes:
-            for unit in units:
-                self.admit(unit)
+            self._pin_in_parallel(units)
             return
         slot, slots = staging_layout(max(u.nbytes for u in units))
         ring_bytes = slot * slots
@@ -104,8 +111,15 @@ class HostBudget:
                 "it are copied through; raise host_memory_budget to at least that, or leave it unset"
             )
         self.ring = StagingRing(slot, slots, self.runtime, self.pin)
-        for position, unit in enumerate(units):
-            self.admit(unit, units[:position])
+        room = self.budget_bytes - ring_bytes
+        direct = []
+        for unit in units:  # in module order while they fit: no plan says which matter yet
+            if _held(unit) <= room:
+                room -= _held(unit)
+                direct.append(unit)
+            else:
+                self._stage(unit)
+        self._pin_in_parallel(direct)
         staged = [u for u in units if u.staging is not None]
         logger.info(
             "host budget %s: %d unit(s) pinned (%s), %d staged through a %s ring (%s)",
@@ -160,18 +174,47 @@ class HostBudget:
                 direct += _held(unit)
 
     def _make_direct(self, unit: Unit) -> None:
+        self._settle(unit, self._pin(unit))
+
+    def _pin(self, unit: Unit) -> PinningError | None:
+        """Page-lock ``unit``'s pack if this device pins; the refusal, if the system refuses."""
         assert unit.pack is not None
-        if self.pin and not unit.pack.shared:
-            try:
-                unit.pack.pin()
-            except PinningError as exc:  # the system refuses what the budget allows (WSL's real cap)
-                if self.ring is None:
-                    logger.warning("%s; unit %s is copied from pageable memory", exc, unit.name)
-                else:
-                    logger.warning("%s; unit %s is staged instead", exc, unit.name)
-                    self._stage(unit)
-                return
-        unit.staging = None
+        if not self.pin or unit.pack.shared:
+            return None
+        try:
+            unit.pack.pin()
+        except PinningError as exc:
+            return exc
+        return None
+
+    def _settle(self, unit: Unit, refused: PinningError | None) -> None:
+        """``unit`` is direct, unless pinning it was refused (the system allows less than the budget, as
+        WSL may): then it is staged, or copied from pageable memory when there is no ring."""
+        if refused is None:
+            unit.staging = None
+        elif self.ring is None:
+            logger.warning("%s; unit %s is copied from pageable memory", refused, unit.name)
+        else:
+            logger.warning("%s; unit %s is staged instead", refused, unit.name)
+            self._stage(unit)
+
+    def _pin_in_parallel(self, units: Sequence[Unit]) -> None:
+        """Make ``units`` direct, pinning up to PIN_THREADS packs at once (see PIN_THREADS)."""
+        pending = [u for u in units if self.pin and u.pack is not None and not u.pack.pinned]
+        if len(pending) < 2:
+            for unit in units:
+                self._make_direct(unit)
+            return
+        device = self.runtime.device
+
+        def pin(unit: Unit) -> PinningError | None:
+            torch.cuda.set_device(device)  # registration goes to the thread's current device
+            return self._pin(unit)
+
+        with ThreadPoolExecutor(min(PIN_THREADS, len(pending))) as pool:
+            refusals = dict(zip(pending, pool.map(pin, pending), strict=True))
+        for unit in units:
+            self._settle(unit, refusals.get(unit))
 
     def _stage(self, unit: Unit) -> None:
         assert unit.pack is not None and self.ring is not None
