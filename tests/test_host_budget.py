@@ -258,3 +258,21 @@ def test_a_pipeline_shares_the_host_budget_by_weight_bytes() -> None:
     assert shares["big"] is not None and shares["small"] is not None
     assert shares["big"] + shares["small"] <= budget and shares["big"] == 3 * shares["small"]
     flextensor.release(parts)
+
+
+def test_switching_plans_between_inputs_stays_bitwise_and_within_the_budget() -> None:
+    # Two input shapes, two plans (like prefill and decode): each layout re-pins only to make room.
+    model = tiny_llama(layers=6)
+    short, long = llama_inputs(seq=4), llama_inputs(seq=32)
+    with torch.no_grad():
+        refs = [first_tensor(model(short)), first_tensor(model(long))]
+    budget = budget_for(model, pinned_units=2)
+    flextensor.offload(model, streaming_config(model, LAYERS, host_memory_budget=budget))
+    with torch.no_grad():
+        for _ in range(LEARN + 2):
+            for inputs, ref in zip((short, long), refs, strict=True):
+                assert torch.equal(first_tensor(model(inputs)), ref)
+                assert_within_budget(model, budget)
+    status = flextensor.status(model)
+    assert len(status.plans) == 2 and all(set(p.staged) <= set(p.streamed) for p in status.plans.values())
+    flextensor.release(model)
