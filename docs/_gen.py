@@ -66,6 +66,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "NotOffloadedError",
             "UnsupportedOperationError",
             "BudgetError",
+            "HostBudgetError",
             "PlanError",
             "ProfileError",
             "CheckpointError",

@@ -9,12 +9,12 @@ import sys
 import torch
 from torch import nn
 
-from .bandwidth import probe_link
 from .config import OffloadConfig
 from .device import resolve_device, resolve_target
 from .engine import OffloadEngine
 from .errors import AlreadyOffloadedError, ConfigError, NotOffloadedError, UnsupportedOperationError
 from .hooks import entry_method_names
+from .host_budget import HostBudget, host_budget_target, probe_links
 from .packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
 from .selection import select
 from .status import OffloadStatus
@@ -94,7 +94,7 @@ def offload(
     config = config if config is not None else OffloadConfig()
     explicit = "entry_methods" in config.model_fields_set
     entry_methods = entry_method_names(model, config.entry_methods, explicit)
-    target = resolve_target(config)
+    target = host_budget_target(config, resolve_target(config))
     selection = select(model, config.include_patterns, config.exclude_patterns)
     checkpoint = None
     if weights is not None:
@@ -112,6 +112,8 @@ def offload(
         resident = {name: "not selected for offloading" for name in selection.resident_parameters}
         resident.update(selection.resident_reasons)
         engine = OffloadEngine(model, config, target, units, resident, entry_methods)
+        engine.store.set_host_budget(HostBudget(target.host_budget_bytes, target.runtime, target.pin))
+        packing.on_undo(engine.store.host.free)
         packing.on_undo(engine.hooks.detach)
         packing.on_undo(engine.unguard_parameters)
         packing.on_undo(lambda: unmark_offloaded(model))
@@ -119,9 +121,7 @@ def offload(
         engine.start()
         arena = engine.store.arena
         if arena is not None and units:
-            largest = max(units, key=lambda u: u.nbytes)
-            assert largest.pack is not None
-            engine.link = probe_link(target.runtime, largest.pack.buffer, arena)
+            engine.link, engine.policy.host = probe_links(engine.store, arena)
             engine.store.forget_contents()  # the probe wrote over the arena
         if config.profile is not None:
             from .profile_reuse import start_from_profile

@@ -330,7 +330,7 @@ def _read_unit(
                 # Page-locking registers the memory with the calling thread's current device; a pool
                 # thread starts on device 0, whatever the target.
                 torch.cuda.set_device(device)
-            pack.lock()
+            pack.pin()
         if pack.nbytes:
             dest = memoryview(pack.unread_buffer.numpy())
             for entry, (_, param) in zip(pack.entries, named, strict=True):

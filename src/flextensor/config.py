@@ -112,6 +112,7 @@ class OffloadConfig(BaseModel):
     max_gpu_mem_fraction    FT_MAX_GPU_MEM_FRACTION     ``0.8``
     profile                 FT_PROFILE                  ``/data/llama.profile``
     share_host_memory       FT_SHARE_HOST_MEMORY        ``false``
+    host_memory_budget      FT_HOST_MEMORY_BUDGET       ``512MiB``
     entry_methods           FT_ENTRY_METHODS            ``encode,decode`` (comma-separated)
     ======================  ==========================  ==================================================
 
@@ -198,6 +199,19 @@ class OffloadConfig(BaseModel):
             "with the number of processes. Those others may build the model on the meta device. "
             "Processes with other weights of the same shapes (tensor-parallel shards) get segments of "
             "their own. Linux only."
+        ),
+    )
+    host_memory_budget: Annotated[int | None, BYTE_SIZE] = Field(
+        default=None,
+        description=(
+            "A bound, in bytes, on the host memory page-locked for the offloaded weights. Units whose "
+            "packs fit are pinned; the rest stay pageable and are copied through a small pinned staging "
+            "ring (counted in the budget), still asynchronously but slower; the planner pins the units "
+            "whose copies matter most. None means the limit detected on this machine: WSL2's pinning cap "
+            "and a share of the cgroup's memory limit (no bound when neither applies). Accepts an int or "
+            "a string such as '512MiB'; must be > 0, and at least the staging ring (offload() says how "
+            "much). Applies on a CPU device too (nothing is page-locked there, the staged path runs the "
+            "same). See docs/host-memory.md."
         ),
     )
 
@@ -307,21 +321,23 @@ class OffloadConfig(BaseModel):
             raise ConfigError("share_host_memory must be true or false, got None")
         return _check_bool(info.field_name, value)
 
-    @field_validator("gpu_memory_budget", mode="before")
+    @field_validator("gpu_memory_budget", "host_memory_budget", mode="before")
     @classmethod
-    def _check_budget(cls, value: object) -> int | None:
+    def _check_budget(cls, value: object, info: ValidationInfo) -> int | None:
+        name = info.field_name
+        example = "'8GiB'" if name == "gpu_memory_budget" else "'512MiB'"
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise ConfigError(
-                f"gpu_memory_budget must be a number of bytes or a string such as '8GiB', got {value!r}"
+                f"{name} must be a number of bytes or a string such as {example}, got {value!r}"
             )
         try:
             budget = parse_bytes(value)
         except ConfigError as exc:
-            raise ConfigError(f"gpu_memory_budget: {exc}") from None
+            raise ConfigError(f"{name}: {exc}") from None
         if budget <= 0:
-            raise ConfigError(f"gpu_memory_budget must be > 0, got {value!r}; e.g. '8GiB'")
+            raise ConfigError(f"{name} must be > 0, got {value!r}; e.g. {example}")
         return budget
 
     @field_validator("max_gpu_mem_fraction", mode="before")

@@ -86,6 +86,15 @@ class GraphCaptures:
 
     def capture_plan(self, streamed: list[Unit], owner: list[Unit | None]) -> tuple[set[Unit], set[Unit]]:
         """(units a graph captured now may skip copying at its start, units it must leave loaded)."""
+        staged = [u.name for u in streamed if u.staging is not None]
+        if staged:
+            # A graph replays the ring's device copies but not the host's writes into the ring.
+            raise UnsupportedOperationError(
+                f"a CUDA graph cannot capture the staged copies of {', '.join(staged[:3])}"
+                f"{', ...' if len(staged) > 3 else ''} (their packs are pageable under the host memory "
+                "budget): raise host_memory_budget until every streamed unit is pinned, or compile "
+                "without mode='reduce-overhead'"
+            )
         held = {u for u in streamed if holds_weights(u, owner)}
         if self.guaranteed is None:
             end = steady_end_state(streamed, owner)

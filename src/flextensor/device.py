@@ -19,6 +19,7 @@ from .errors import ConfigError, PlanError
 
 if TYPE_CHECKING:
     from .config import OffloadConfig
+    from .host_limits import HostLimits
 
 __all__ = [
     "DeviceRuntime",
@@ -163,12 +164,16 @@ class Target:
 
     ``device``: with its index for CUDA. ``pin``: whether host packs are page-locked (CUDA only).
     ``budget_bytes``: the device-memory budget, None without one. ``runtime``: the device's streams.
+    ``host_budget_bytes``: the most host bytes to treat as page-locked (packs copied directly, and the
+    staging ring), None for no bound (see host_budget.py). ``host_limits``: what bounded it.
     """
 
     device: torch.device
     pin: bool
     budget_bytes: int | None
     runtime: DeviceRuntime
+    host_budget_bytes: int | None = None
+    host_limits: HostLimits | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -230,14 +235,28 @@ def resolve_budget(config: OffloadConfig, total_device_bytes: int | None) -> int
 
 def resolve_target(config: OffloadConfig) -> Target:
     """Device, pinning and budget for ``config``, checked once (see :class:`Target`)."""
+    from .host_limits import detect_host_limits
+
     device = resolve_device(config.device)
     runtime = DeviceRuntime(device)
+    pin = resolve_pinning(config.pinned_memory, device)
+    limits = detect_host_limits() if pin else None
     return Target(
         device=runtime.device,
-        pin=resolve_pinning(config.pinned_memory, device),
+        pin=pin,
         budget_bytes=resolve_budget(config, runtime.total_memory()),
         runtime=runtime,
+        host_budget_bytes=resolve_host_budget(config.host_memory_budget, limits),
+        host_limits=limits,
     )
+
+
+def resolve_host_budget(explicit: int | None, limits: HostLimits | None) -> int | None:
+    """The host pinning budget: the tighter of ``explicit`` (host_memory_budget) and what ``limits``
+    allow. Without pinning (a CPU device, pinned_memory=False) ``limits`` is None and only an explicit
+    budget applies: on a CPU it runs the staged path the same way, which is how CI tests it."""
+    caps = [c for c in (explicit, None if limits is None else limits.pinned_cap()) if c is not None]
+    return min(caps, default=None)
 
 
 def distributed_place() -> tuple[int, int]:

@@ -118,9 +118,9 @@ class OffloadEngine:
         units = self.units.values()
         self.hooks.hook_units(u for u in units if phase is not Phase.INFERENCE or not u.resident)
 
-    def _lay_out(self, streamed: list[Unit], resident: Any, arena_bytes: int) -> None:
+    def _lay_out(self, streamed: list[Unit], resident: Any, arena_bytes: int, staged: Any = None) -> None:
         self.laid_out = False
-        self.store.lay_out(streamed, resident, arena_bytes)
+        self.store.lay_out(streamed, resident, arena_bytes, staged)
         self.laid_out = True
         self.watch.arm(self.units.values())
 
@@ -401,7 +401,10 @@ class OffloadEngine:
         plan = entry.plan
         self.current = None
         self._lay_out(
-            [self.units[n] for n in plan.streamed], [self.units[n] for n in plan.resident], plan.arena_bytes
+            [self.units[n] for n in plan.streamed],
+            [self.units[n] for n in plan.resident],
+            plan.arena_bytes,
+            plan.staged,
         )
         self.current = entry
         self.plans[entry.measurements.input_shapes] = entry

@@ -11,6 +11,7 @@
     ├── UnsupportedOperationError         something done to an offloaded model that would detach or corrupt
     │                                     its weights (a dtype conversion, load_state_dict, jit.trace, pickle)
     ├── BudgetError                       the memory budget cannot hold what this model needs at this input
+    │   └── HostBudgetError               the host memory budget cannot hold even the staging ring
     ├── PlanError (ValueError)            a plan, layout or measurement that is inconsistent in itself
     ├── ProfileError (ValueError)         a saved profile is unreadable, of another version or model
     ├── CheckpointError (ValueError)      weights= names no checkpoint, a corrupt one, or one that does not
@@ -59,6 +60,10 @@ class UnsupportedOperationError(FlexTensorError, RuntimeError):
 
 class BudgetError(FlexTensorError, RuntimeError):
     """The GPU memory budget is below what the model needs at this input."""
+
+
+class HostBudgetError(BudgetError):
+    """The host memory budget cannot hold the staging ring that pageable weights are copied through."""
 
 
 class PlanError(FlexTensorError, ValueError):

@@ -105,7 +105,8 @@ def page_lock(buffer: torch.Tensor, nbytes: int, what: str) -> None:
     if int(err) != 0:
         raise PinningError(
             f"could not page-lock {nbytes} bytes of host memory for {what} "
-            f"(cudaHostRegister error {int(err)}); raise the memlock limit (ulimit -l) or pass "
+            f"(cudaHostRegister error {int(err)}); raise the memlock limit (ulimit -l), bound pinning with "
+            "OffloadConfig(host_memory_budget=...) (see docs/host-memory.md), or pass "
             "OffloadConfig(pinned_memory=False)"
         )
 
@@ -170,15 +171,7 @@ class UnitPack:
         self._buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=mapped)[:nbytes]
         self._unlock: weakref.finalize | None = None
         if pin:
-            self.lock()
-
-    def lock(self) -> None:
-        """Page-lock the pack's memory: the constructor does when asked to pin; a pack filled in the
-        background is locked by its reader, off the caller's thread."""
-        assert self._mmap is not None
-        page_lock(self._buffer, self._held, f"unit {self.unit!r}")
-        self._unlock = unlock_when_gone(self, self._mmap, self._buffer.data_ptr())
-        self.pinned = True
+            self.pin()
 
     @classmethod
     def over(
@@ -236,6 +229,22 @@ class UnitPack:
         """The pack's memory whether or not its bytes are read yet: for its reader, and to point
         parameters at before their unit loads (see [Note: packs filled in the background])."""
         return self._buffer
+
+    def pin(self) -> None:
+        """Page-lock this pack's own memory (the host budget decides which packs are; a pack read from a
+        checkpoint is locked by its reader); no-op if pinned."""
+        if self.pinned or self._mmap is None:
+            return
+        page_lock(self._buffer, self._held, f"unit {self.unit!r}")
+        self._unlock = unlock_when_gone(self, self._mmap, self._buffer.data_ptr())
+        self.pinned = True
+
+    def unpin(self) -> None:
+        """Page-unlock this pack's own memory (no copy may be reading it); no-op if not pinned by it."""
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock = None
+            self.pinned = False
 
     @property
     def owner(self) -> PackOwner | None:

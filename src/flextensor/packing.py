@@ -104,6 +104,12 @@ class Packing:
     def __enter__(self) -> Packing:
         return self
 
+    @property
+    def pins_while_packing(self) -> bool:
+        """Whether packs are page-locked as they are built: under a host budget they are built pageable
+        and the budget pins those that fit (see [Note: host budget] in host_budget.py)."""
+        return self.target.pin and self.target.host_budget_bytes is None
+
     def on_undo(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` first if the offload fails (e.g. remove the hooks an engine added)."""
         self._undo_first.append(callback)
@@ -113,7 +119,7 @@ class Packing:
         ranges of the node's shared segment (which meta parameters may attach to, see shared_store)."""
         if self.weights is None:
             self._check_resident_have_data()
-        pin = self.target.pin
+        pin = self.pins_while_packing
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
         named_units = [
@@ -163,7 +169,7 @@ class Packing:
         total = sum(weights.source_of(t).nbytes for t in resident.values())
         with progress_bar("Reading the weights kept on the device", total=total, unit="bytes") as bar:
             packs, values = read_checkpoint(
-                weights, named_units, list(resident.values()), self.target.pin, device, bar.advance
+                weights, named_units, list(resident.values()), self.pins_while_packing, device, bar.advance
             )
         logger.info(
             "reading %.2f GiB of offloaded weights from %s in the background",

@@ -162,6 +162,19 @@ def component_configs(config: OffloadConfig, components: dict[str, nn.Module]) -
     return configs
 
 
+def _split_host_budget(
+    configs: dict[str, OffloadConfig], components: dict[str, nn.Module], host_budget: int
+) -> dict[str, OffloadConfig]:
+    """Share the host budget between the components by their weights' bytes: every component's packs are
+    held at once (unlike their device bytes, which they hold in turn)."""
+    sizes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in components.items()}
+    total = sum(sizes.values()) or 1
+    return {
+        n: c.model_copy(update={"host_memory_budget": max(1, host_budget * sizes[n] // total)})
+        for n, c in configs.items()
+    }
+
+
 class PipelineOffload:
     """The offloaded components of one pipeline and the budget they share (see the note above)."""
 
@@ -239,7 +252,10 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
     if not components:
         raise ConfigError(f"this {type(pipe).__name__} has no module with parameters to offload")
     configs = component_configs(config, components)
-    budget = resolve_target(config).budget_bytes
+    target = resolve_target(config)
+    budget = target.budget_bytes
+    if target.host_budget_bytes is not None:
+        configs = _split_host_budget(configs, components, target.host_budget_bytes)
     profiles = None
     if config.profile is not None:  # read and matched to the components before anything changes
         from .pipeline_profile import load_pipeline_profile

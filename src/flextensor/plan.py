@@ -23,6 +23,8 @@ class Plan:
     ``arena_bytes``: size of the device arena the streamed units share (see [Note: ring layout]).
     ``predicted_step_s`` / ``predicted_peak_bytes``: the simulator's prediction for this plan.
     ``budget_bytes``: the budget it was made for (None: none).
+    ``staged``: streamed units copied through the staging ring because the host budget cannot pin them
+    (see [Note: host budget] in host_budget.py), in execution order; the others are pinned.
     """
 
     resident: tuple[str, ...]
@@ -31,3 +33,4 @@ class Plan:
     predicted_step_s: Seconds = 0.0
     predicted_peak_bytes: Bytes = 0
     budget_bytes: Bytes | None = None
+    staged: tuple[str, ...] = ()

@@ -19,6 +19,7 @@ from .layout import minimal_arena_bytes
 from .measurements import Measurements
 from .plan import Plan
 from .planner import minimal_need_bytes, plan_offload, residents_within
+from .staged_units import HostPlan
 from .units import Unit
 
 logger = logging.getLogger("flextensor")
@@ -48,6 +49,7 @@ class PlanPolicy:
         self.runtime = runtime
         self.budget_bytes = budget_bytes
         self.failed_peak_bytes: int | None = None  # predicted peak of a plan whose layout ran out of memory
+        self.host: HostPlan | None = None  # set when a host budget cannot pin every pack (host_budget.py)
 
     def memory_limit(self) -> int | None:
         """What a plan must fit: the budget, or without one the device's share (None when the device's
@@ -60,7 +62,7 @@ class PlanPolicy:
     def make_plan(self, measurements: Measurements) -> Plan:
         """The plan for ``measurements``: under the budget; without one, within the device's share; and
         below the peak of a plan whose layout ran out of memory."""
-        plan = plan_offload(measurements, self.budget_bytes)
+        plan = plan_offload(measurements, self.budget_bytes, self.host)
         limit = self.memory_limit()
         if self.failed_peak_bytes is not None:
             # Never below the smallest plan: that one is retried as it is rather than refused.
@@ -69,7 +71,7 @@ class PlanPolicy:
             limit = shrunk if limit is None else min(limit, shrunk)
         if limit is not None and plan.predicted_peak_bytes > limit:
             logger.info("the plan would not fit the memory left; planning for %d bytes", limit)
-            plan = plan_offload(measurements, limit)
+            plan = plan_offload(measurements, limit, self.host)
         return plan
 
     def layout_failed(self, plan: Plan, error: BaseException) -> None:

@@ -47,6 +47,7 @@ from .measurements import Measurements
 from .plan import Plan
 from .simulator import DEFAULT_STEPS, run_streams, simulate
 from .sizes import align_up, format_bytes
+from .staged_units import HostPlan, choose_staged
 
 DOUBLE_BUFFER = 2
 """Smallest arena, in largest streamed units: one unit computes while the next is copied in. Less would
@@ -87,14 +88,17 @@ class _Config:
     step_s: float
     memory: int
     gain: dict[int, float]
+    staged: frozenset[int] = frozenset()  # streamed units copied through the staging ring
 
 
 class _Search:
     """Simulates configurations of one model's measurements, with a cache."""
 
-    def __init__(self, measurements: Measurements) -> None:
+    def __init__(self, measurements: Measurements, host: HostPlan | None = None) -> None:
         units = measurements.units
         self.measurements = measurements
+        self.host = host
+        self.staged_copy_s = [] if host is None else [host.staged_link.copy_s(u.nbytes) for u in units]
         self.names = [u.name for u in units]
         self.nbytes = [u.nbytes for u in units]
         self.padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in units]
@@ -136,12 +140,27 @@ class _Search:
         position = [-1] * len(self.names)
         for k, i in enumerate(order):
             position[i] = k
+        copy_s = [self.copy_s[i] for i in order]
+        staged: frozenset[int] = frozenset()
+        if self.host is not None:  # see [Note: which units are staged]
+            staged_copy_s = [self.staged_copy_s[i] for i in order]
+            staged = choose_staged(
+                order,
+                self.nbytes,
+                self.at,
+                self.compute,
+                self.compute_s,
+                ready_after,
+                staged_copy_s,
+                self.host.capacity_bytes,
+            )
+            copy_s = [staged_copy_s[k] if i in staged else copy_s[k] for k, i in enumerate(order)]
         trace = run_streams(
             self.compute,
             self.gaps,
             self.measurements.tail_s,
             position,
-            [self.copy_s[i] for i in order],
+            copy_s,
             ready_after,
             prefetch_lists(ready_after),
             steps=DEFAULT_STEPS,
@@ -155,6 +174,7 @@ class _Search:
             step_s=trace.step_s,
             memory=self.fixed + sum(self.padded[i] for i in resident) + arena,
             gain={i: trace.gain[k] for k, i in enumerate(order)},
+            staged=staged,
         )
         self._cache[key] = config
         return config
@@ -328,8 +348,13 @@ def minimal_need_bytes(measurements: Measurements) -> tuple[int, int]:
     return need, in_flight
 
 
-def plan_offload(measurements: Measurements, budget_bytes: int | None = None) -> Plan:
+def plan_offload(
+    measurements: Measurements, budget_bytes: int | None = None, host: HostPlan | None = None
+) -> Plan:
     """Choose resident units and the arena size for ``measurements`` (see [Note: planner search]).
+
+    ``host``: the pinned capacity a host budget leaves and the staged copies' speed; the plan then names
+    the streamed units it copies through the staging ring (see [Note: which units are staged]).
 
     With ``budget_bytes``: the fastest simulated plan whose peak fits the budget, ties toward less
     memory; raises BudgetError when even streaming everything through two of the largest units does not
@@ -346,7 +371,7 @@ def plan_offload(measurements: Measurements, budget_bytes: int | None = None) ->
             f"{format_bytes(in_flight)}, weights that never stream "
             f"{format_bytes(measurements.baseline_bytes)}; raise the budget or offload more modules"
         )
-    search = _Search(measurements)
+    search = _Search(measurements, host)
     if not measurements.units:
         config = search.evaluate(frozenset(), None)
     elif budget_bytes is None:
@@ -359,8 +384,9 @@ def plan_offload(measurements: Measurements, budget_bytes: int | None = None) ->
         streamed=tuple(names[i] for i in range(len(names)) if i not in config.resident),
         arena_bytes=config.arena,
         budget_bytes=budget_bytes,
+        staged=tuple(names[i] for i in range(len(names)) if i in config.staged),
     )
-    prediction = simulate(plan, measurements)
+    prediction = simulate(plan, measurements, staged_link=None if host is None else host.staged_link)
     return Plan(
         resident=plan.resident,
         streamed=plan.streamed,
@@ -368,6 +394,7 @@ def plan_offload(measurements: Measurements, budget_bytes: int | None = None) ->
         predicted_step_s=prediction.step_s,
         predicted_peak_bytes=prediction.peak_bytes,
         budget_bytes=budget_bytes,
+        staged=plan.staged,
     )
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "measure_host_register",
     "measure_parallel_host_register",
     "measure_pin_memory",
+    "measure_staged_copy",
     "run_probe",
 ]
 
@@ -95,6 +96,8 @@ class ProbeResult:
     device_name: str
     copies: tuple[CopyMeasurement, ...]
     pinning: tuple[PinMeasurement, ...]
+    staged: tuple[CopyMeasurement, ...] = ()  # host-to-device from pageable memory through a staging ring
+    host_limits: str = ""  # what bounds page-locking here (host_limits.py)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data, each measurement with its ``gbps``."""
@@ -103,6 +106,8 @@ class ProbeResult:
             "device_name": self.device_name,
             "copies": [{**asdict(c), "gbps": c.gbps} for c in self.copies],
             "pinning": [{**asdict(p), "gbps": p.gbps} for p in self.pinning],
+            "staged": [{**asdict(c), "gbps": c.gbps} for c in self.staged],
+            "host_limits": self.host_limits,
         }
 
     def __rich__(self) -> RenderableType:
@@ -121,12 +126,17 @@ class ProbeResult:
         ]
         for _, _, label in kinds:
             copies.add_column(label, justify="right")
+        staged = {c.nbytes: c for c in self.staged}
+        if staged:
+            copies.add_column("H2D staged", justify="right")
         by_key = {(c.direction, c.pinned, c.nbytes): c for c in self.copies}
         for size in sorted({c.nbytes for c in self.copies}):
             cells = []
             for direction, pinned, _ in kinds:
                 found = by_key.get((direction, pinned, size))
                 cells.append("-" if found is None else f"{found.gbps:.1f}")
+            if staged:
+                cells.append(f"{staged[size].gbps:.1f}" if size in staged else "-")
             copies.add_row(format_bytes(size), *cells)
 
         pinning = Table(title="pinning host memory", title_justify="left")
@@ -136,7 +146,9 @@ class ProbeResult:
         pinning.add_column("GB/s", justify="right")
         for p in self.pinning:
             pinning.add_row(p.method, format_bytes(p.nbytes), f"{p.seconds * 1e3:.1f}", f"{p.gbps:.2f}")
-        return Group(copies, pinning)
+        if not self.host_limits:
+            return Group(copies, pinning)
+        return Group(copies, pinning, f"host limits: {self.host_limits}")
 
 
 def _cuda_device(device: str | torch.device) -> torch.device:
@@ -180,6 +192,40 @@ def measure_copy(
         if i:  # the first copy pays one-off costs (staging buffers, lazy init)
             times.append(start.elapsed_time(end) / 1e3)
     return CopyMeasurement(direction, pinned, nbytes, statistics.median(times))
+
+
+def measure_staged_copy(
+    device: str | torch.device, nbytes: int, repeats: int = DEFAULT_REPEATS
+) -> CopyMeasurement:
+    """Median time of one ``nbytes`` host-to-device copy from pageable memory through the staging ring that
+    units beyond the host budget stream through (see staging.py), host clock included: its memcpy into the
+    ring is part of the cost."""
+    import torch
+
+    from .device import DeviceRuntime
+    from .staging import StagingRing, staging_layout
+
+    dev = _cuda_device(device)
+    runtime = DeviceRuntime(dev)
+    slot, slots = staging_layout(nbytes)
+    ring = StagingRing(slot, slots, runtime, pin=True)
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    host.fill_(1)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    stream = runtime.copy_stream
+    times = []
+    try:
+        with torch.cuda.stream(stream):
+            for i in range(repeats + 1):
+                torch.cuda.synchronize(dev)
+                begin = time.perf_counter()
+                ring.copy_from_host(gpu, host, stream)
+                torch.cuda.synchronize(dev)
+                if i:
+                    times.append(time.perf_counter() - begin)
+    finally:
+        ring.free()
+    return CopyMeasurement("host_to_device", False, nbytes, statistics.median(times))
 
 
 def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasurement:
@@ -296,11 +342,14 @@ def run_probe(
     ]
     copies = []
     pinning = []
-    with progress_bar("Probing the host-device link", len(sizes) * len(kinds) + 3) as bar:
+    staged = []
+    with progress_bar("Probing the host-device link", len(sizes) * (len(kinds) + 1) + 3) as bar:
         for size in sizes:
             for direction, pinned in kinds:
                 copies.append(measure_copy(dev, size, direction, pinned, repeats))
                 bar.advance(1)
+            staged.append(measure_staged_copy(dev, size, repeats))
+            bar.advance(1)
         with torch.cuda.device(dev):
             pinning.append(measure_host_register(sizes[-1]))
             bar.advance(1)
@@ -308,4 +357,13 @@ def run_probe(
             bar.advance(1)
             pinning.append(measure_pin_memory(sizes[-1]))
             bar.advance(1)
-    return ProbeResult(str(dev), torch.cuda.get_device_name(dev), tuple(copies), tuple(pinning))
+    from .host_limits import detect_host_limits
+
+    return ProbeResult(
+        str(dev),
+        torch.cuda.get_device_name(dev),
+        tuple(copies),
+        tuple(pinning),
+        tuple(staged),
+        detect_host_limits().describe(),
+    )

@@ -76,7 +76,10 @@ class Report:
     ``host_bytes_held`` is the host memory held for the units' weights when the report is made: the packs
     of the units some plan streams (units resident in every plan keep none, unless the packs are shared
     between processes). A freed pack that tensors still view (a ``state_dict()`` taken earlier) stays
-    mapped until they go, and is not counted.
+    mapped until they go, and is not counted. Of it, ``host_pinned_bytes`` are page-locked (0 on a CPU)
+    and ``host_pageable_bytes`` not; ``staging_bytes`` is the pinned staging ring the pageable packs are
+    copied through (included in ``host_pinned_bytes``, not in ``host_bytes_held``), and
+    ``host_budget_bytes`` the host budget in force (see docs/host-memory.md).
     """
 
     model: str
@@ -99,6 +102,10 @@ class Report:
     peak_allocated_bytes: int | None
     predicted_peak_bytes: int
     budget_bytes: int | None
+    host_pinned_bytes: int = 0
+    host_pageable_bytes: int = 0
+    staging_bytes: int = 0
+    host_budget_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain JSON-ready data; each unit also gets ``placement`` and ``slot`` strings."""
@@ -195,7 +202,14 @@ class Report:
             f"{format_bytes(self.device_bytes_held)} for units: arena {format_bytes(self.arena_bytes)} + "
             f"resident units {format_bytes(resident)}",
         )
-        grid.add_row("host", f"{format_bytes(self.host_bytes_held)} in host RAM for units' weights")
+        host = f"{format_bytes(self.host_bytes_held)} in host RAM for units' weights"
+        host += f", {format_bytes(self.host_pageable_bytes)} of them pageable"
+        if self.staging_bytes:
+            host += f"; staging ring {format_bytes(self.staging_bytes)}"
+        host += f"; {format_bytes(self.host_pinned_bytes)} pinned in all"
+        if self.host_budget_bytes is not None:
+            host += f"; host budget {format_bytes(self.host_budget_bytes)}"
+        grid.add_row("host", host)
         budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         if self.peak_allocated_bytes is None:
             peak = f"not measured on {self.device}; predicted {format_bytes(self.predicted_peak_bytes)}"
@@ -366,4 +380,10 @@ def report(model: nn.Module) -> Report | PipelineReport:
         peak_allocated_bytes=timeline.peak_allocated_bytes if engine.runtime.is_cuda else None,
         predicted_peak_bytes=plan.predicted_peak_bytes,
         budget_bytes=engine.policy.budget_bytes,
+        host_pinned_bytes=engine.store.host_pinned_bytes(),
+        host_pageable_bytes=sum(
+            u.pack.held_bytes for u in engine.units.values() if u.pack is not None and not u.pack.pinned
+        ),
+        staging_bytes=engine.store.staging_bytes(),
+        host_budget_bytes=engine.store.host.budget_bytes,
     )

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import PlanError
 from .layout import UNIT_ALIGNMENT, ring_layout
-from .measurements import Measurements
+from .measurements import LinkModel, Measurements
 from .plan import Plan
 from .sizes import align_up
 
@@ -284,14 +284,24 @@ def _check_plan(plan: Plan, measurements: Measurements) -> None:
         raise PlanError(f"the plan places no entry for units {sorted(missing)}")
     if list(plan.streamed) != [n for n in names if n in streamed]:
         raise PlanError("plan.streamed must list the streamed units in execution order")
+    if not set(plan.staged) <= streamed:
+        extra = sorted(set(plan.staged) - streamed)
+        raise PlanError(f"plan.staged names units that are not streamed: {extra}")
 
 
 def simulate(
-    plan: Plan, measurements: Measurements, *, steps: int = DEFAULT_STEPS, cyclic: bool = True
+    plan: Plan,
+    measurements: Measurements,
+    *,
+    steps: int = DEFAULT_STEPS,
+    cyclic: bool = True,
+    staged_link: LinkModel | None = None,
 ) -> Simulation:
     """Simulate ``steps`` consecutive forwards under ``plan`` and report the last (steady) one.
 
     ``cyclic=False`` models forwards that each start with an empty arena and no cross-step prefetch.
+    ``staged_link``: the speed of the plan's staged units' copies (through the staging ring); without
+    it they are timed like the others.
     Raises PlanError when the plan does not place every measured unit exactly once, or when the arena
     cannot hold its largest streamed unit.
     """
@@ -304,7 +314,11 @@ def simulate(
     pos_of = {name: k for k, name in enumerate(layout.order)}
     position = [pos_of.get(u.name, -1) for u in units]
     link = measurements.link
-    copy_s = [link.copy_s(n) for n in layout.sizes]
+    staged = set(plan.staged) if staged_link is not None else set()
+    copy_s = [
+        (staged_link if name in staged else link).copy_s(n)  # type: ignore[union-attr]
+        for name, n in zip(layout.order, layout.sizes, strict=True)
+    ]
     trace = run_streams(
         [u.compute_s for u in units],
         [u.gap_before_s for u in units],

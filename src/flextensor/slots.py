@@ -27,13 +27,14 @@ resident storage (``Unit.kept``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .device import DeviceRuntime
-from .errors import PinningError, PlanError
+from .errors import PlanError
+from .host_budget import HostBudget
 from .host_store import UnitPack
 from .layout import UNIT_ALIGNMENT, minimal_arena_bytes, occupancy_cells, ring_layout
 from .sizes import align_up, format_bytes
@@ -82,7 +83,10 @@ def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -
     cells = unit.cells
     for cell in cells:
         owner[cell] = None
-    unit.storage.copy_(unit.pack.buffer, non_blocking=True)  # type: ignore[union-attr]
+    if unit.staging is None:
+        unit.storage.copy_(unit.pack.buffer, non_blocking=True)  # type: ignore[union-attr]
+    else:  # a pageable pack under the host budget (see [Note: staging ring] in staging.py)
+        unit.staging.copy_from_host(unit.storage, unit.pack.buffer, copy_stream)  # type: ignore[union-attr]
     unit.copy_done.record(copy_stream)
     for cell in cells:
         owner[cell] = unit
@@ -112,23 +116,44 @@ class DeviceStore:
         self.owner: list[Unit | None] = []  # per occupancy cell: whose weights its bytes are
         self.counters = StoreCounters()
         self.keep_packs = False  # a pipeline component gives its device bytes back between its steps
+        self.host = HostBudget(None, runtime, pin)  # which packs are pinned; set_host_budget bounds it
+
+    def set_host_budget(self, host: HostBudget) -> None:
+        """Bound the pinned host bytes (offload() calls this once, before the first layout): pins the packs
+        (built unpinned) that fit and stages the rest; HostBudgetError if the budget cannot hold the ring."""
+        host.start(self.units)
+        self.host = host
 
     # -- layout -------------------------------------------------------------------------------------------
 
-    def lay_out(self, streamed: Sequence[Unit], resident: Iterable[Unit], arena_bytes: int) -> None:
+    def lay_out(
+        self,
+        streamed: Sequence[Unit],
+        resident: Iterable[Unit],
+        arena_bytes: int,
+        staged: Collection[str] | None = None,
+    ) -> None:
         """Give every unit its device bytes: own storage if resident, a range of the arena otherwise.
 
         ``streamed`` in execution order; units in neither list (never seen running) get a range at the
         arena's start and load on demand if they ever run. Plan time only: synchronises the device and
         re-points parameters. A unit resident before and after keeps its storage, so switching between
-        cached plans uploads only the units that enter residency.
+        cached plans uploads only the units that enter residency. ``staged``: the streamed units a plan
+        copies through the staging ring; the others are pinned as the host budget allows (None: the
+        pinning stays as it is, for the learning phases' layouts).
         """
         # Device buffers are normal tensors even when a forward under inference_mode lays them out:
         # inference tensors carry no version counter, which in-place edits of weights are detected by.
         with torch.inference_mode(False), torch.no_grad():
-            self._lay_out(streamed, resident, arena_bytes)
+            self._lay_out(streamed, resident, arena_bytes, staged)
 
-    def _lay_out(self, streamed: Sequence[Unit], resident: Iterable[Unit], arena_bytes: int) -> None:
+    def _lay_out(
+        self,
+        streamed: Sequence[Unit],
+        resident: Iterable[Unit],
+        arena_bytes: int,
+        staged: Collection[str] | None,
+    ) -> None:
         resident = set(resident)
         both = resident.intersection(streamed)
         if both:  # a hand-edited profile could say so; the planner never does
@@ -138,6 +163,8 @@ class DeviceStore:
             if unit.resident and unit not in resident:
                 self._refresh_pack(unit)  # before its storage, maybe the only copy, is freed
         kept = self._free_device_bytes(resident)
+        if staged is not None:
+            self.host.apply(self.units, streamed, staged)  # nothing reads the packs: the device is idle
 
         in_order = set(streamed)
         idle = [u for u in self.units if u not in resident and u not in in_order]
@@ -252,17 +279,14 @@ class DeviceStore:
         if unit.pack is not None and not edited:
             return
         if unit.pack is None:
-            try:
-                pack = UnitPack(unit.name, unit.entries, unit.nbytes, self.pin)
-            except PinningError as exc:  # page-locking refused (memlock limit): slower copies, same bytes
-                logger.warning("%s; unit %s streams from pageable memory instead", exc, unit.name)
-                pack = UnitPack(unit.name, unit.entries, unit.nbytes, False)
+            pack = UnitPack(unit.name, unit.entries, unit.nbytes, False)  # the host budget pins it
             try:
                 pack.buffer.copy_(unit.storage)  # synchronous: the pack is whole when this returns
             except BaseException:
                 pack.free()
                 raise
             unit.pack = pack
+            self.host.admit(unit, self.units)
             unit.pack_rebuilds += 1
             self.counters.pack_rebuilds += 1
         else:
@@ -312,6 +336,16 @@ class DeviceStore:
         """Host bytes held for units: their packs (a shared pack counts its range of the segment)."""
         return sum(u.pack.held_bytes for u in self.units if u.pack is not None)
 
+    def host_pinned_bytes(self) -> int:
+        """Host bytes page-locked for units: pinned packs and the staging ring (0 on a CPU)."""
+        ring = self.host.ring
+        packs = sum(u.pack.held_bytes for u in self.units if u.pack is not None and u.pack.pinned)
+        return packs + (ring.nbytes if ring is not None and ring.pinned else 0)
+
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging ring (0 when every pack fits the host budget)."""
+        return 0 if self.host.ring is None else self.host.ring.nbytes
+
     # -- release ------------------------------------------------------------------------------------------
 
     def build_released(self, target: torch.device) -> dict[int, torch.Tensor]:
@@ -333,9 +367,11 @@ class DeviceStore:
             unit.cells = ()
             unit.prefetch_next = ()
             unit.placement = Placement.HOST
+            unit.staging = None
             if unit.pack is not None:
                 unit.pack.free()
                 unit.pack = None
+        self.host.free()
         self.arena = None
         self.owner = []
 

@@ -25,7 +25,8 @@ class UnitStatus:
     """One offload unit: ``placement`` is ``"host"``, ``"streamed"``, ``"resident"`` or ``"device_only"``
     (resident with no host copy); ``host_bytes`` the host memory its pack holds (0 without one);
     ``pinned`` / ``shared`` describe that pack; ``uploads`` / ``pack_rebuilds`` count how often it was
-    given resident storage and had its pack built again from it."""
+    given resident storage and had its pack built again from it. ``staged``: its copies go through the
+    staging ring (its pack did not fit the host budget; see docs/host-memory.md)."""
 
     name: str
     nbytes: int
@@ -35,6 +36,7 @@ class UnitStatus:
     shared: bool
     uploads: int
     pack_rebuilds: int
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,10 @@ class OffloadStatus:
     force (None while learning). ``forward_running``: a forward is in progress on some thread.
     ``uploads``: resident units copied to the device; ``pack_rebuilds``: host packs built again from
     device storage; ``layouts``: device layouts made (plans applied, profiling layouts).
+    ``host_pinned_bytes``: host bytes page-locked for the weights (pinned packs and the staging ring; 0 on
+    a CPU); ``staging_bytes``: the staging ring's bytes (0 without one); ``host_budget_bytes``: the host
+    budget in force (None: none); ``direct_bytes``: bytes of the packs copied straight to the device, which
+    with the ring are what the host budget bounds (on CUDA, what is pinned).
     """
 
     model: str
@@ -63,6 +69,10 @@ class OffloadStatus:
     uploads: int
     pack_rebuilds: int
     layouts: int
+    host_pinned_bytes: int = 0
+    staging_bytes: int = 0
+    host_budget_bytes: int | None = None
+    direct_bytes: int = 0
 
     def unit(self, name: str) -> UnitStatus:
         """The status of the unit ``name`` (SelectionError if it is not an offload unit)."""
@@ -98,6 +108,7 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
             shared=u.pack is not None and u.pack.shared,
             uploads=u.uploads,
             pack_rebuilds=u.pack_rebuilds,
+            staged=u.pack is not None and u.staging is not None,
         )
         for u in ordered
     )
@@ -118,4 +129,8 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
         uploads=counters.uploads,
         pack_rebuilds=counters.pack_rebuilds,
         layouts=counters.layouts,
+        host_pinned_bytes=engine.store.host_pinned_bytes(),
+        staging_bytes=engine.store.staging_bytes(),
+        host_budget_bytes=engine.store.host.budget_bytes,
+        direct_bytes=engine.store.host.direct_bytes(engine.store.units),
     )

@@ -55,6 +55,8 @@ class Unit:
     pack's layout, kept to build the pack again after it was dropped. ``storage``: the unit's device bytes
     (its own, or its arena range), None in HOST. ``cells``: the occupancy cells its arena range covers.
     ``prefetch_next``: the units whose copies its post-hook issues in steady state, nearest first.
+    ``staging``: None when its pack is copied straight to the device; else the staging ring its copies go
+    through (see [Note: host budget] in host_budget.py).
     ``storage_version``: :meth:`weights_version` when the device storage's contents last matched the pack
     (an in-place edit of a resident unit's weights bumps it).
     """
@@ -73,6 +75,7 @@ class Unit:
     storage_version: int = 0
     uploads: int = 0  # times given resident storage (a plan switch that keeps it resident uploads nothing)
     pack_rebuilds: int = 0  # times its host pack was built again from device storage
+    staging: Any = None  # the StagingRing its copies go through when its pack is not pinned (host budget)
     entries: tuple[PackedParameter, ...] = field(init=False)
     nbytes: int = field(init=False)
 

@@ -1,0 +1,83 @@
+"""Which streamed units the planner copies through the staging ring when the host budget cannot pin them all.
+
+Pure: no torch. See [Note: host budget] in host_budget.py for what staging is; this module decides who.
+
+[Note: which units are staged]
+A staged copy is slower than a pinned one (a host memcpy into the ring, then the copy; see
+``HostPlan.staged_link``), so the planner stages the units where slowness costs least, like it keeps
+resident the units where streaming costs most:
+
+1. units copied least often: a streamed unit whose arena range nothing else overwrites is copied once,
+   ever, so its speed does not matter after the first step (resident units, copied once too, are never
+   pinned at all: they are not in this choice);
+2. then the units with the most compute slack: the compute between the unit whose post-hook issues the
+   copy and the unit's own start, less the staged copy's time. A unit with slack left hides even the
+   slower copy; one without it exposes the difference.
+
+Units are staged in that order until the rest fit the pinned capacity. The choice only ranks; the
+simulator then times the configuration with each unit's real copy speed, so the search sees what the
+slower copies cost and may keep a unit resident instead (which frees pinned bytes too).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .measurements import LinkModel
+from .sizes import align_up
+
+__all__ = ["HostPlan", "choose_staged"]
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What the host budget leaves the planner: ``capacity_bytes`` of packs may be pinned (the budget
+    less the staging ring); the others copy at ``staged_link``'s speed."""
+
+    capacity_bytes: int
+    staged_link: LinkModel
+
+
+def pack_bytes(nbytes: int) -> int:
+    """Host bytes a pack of ``nbytes`` holds: whole pages (see host_store.py)."""
+    return align_up(max(nbytes, 1), mmap.PAGESIZE)
+
+
+def choose_staged(
+    order: Sequence[int],
+    nbytes: Sequence[int],
+    starts: Sequence[float],
+    compute: Sequence[float],
+    period: float,
+    ready_after: Sequence[int | None],
+    staged_copy_s: Sequence[float],
+    capacity_bytes: int,
+) -> frozenset[int]:
+    """The units (indices) to stage among the streamed ``order`` (see [Note: which units are staged]).
+
+    Per unit index: ``nbytes``, ``starts`` (its start in the all-resident timeline) and ``compute`` (its
+    compute time); ``period`` is that timeline's length. Per streamed position: ``ready_after`` (the
+    position whose post-hook issues its copy, None when it is copied once) and ``staged_copy_s``.
+    """
+    held = {i: pack_bytes(nbytes[i]) for i in order}
+    pinned = sum(held.values())
+    if pinned <= capacity_bytes:
+        return frozenset()
+    ranked = []
+    for k, i in enumerate(order):
+        issuer = ready_after[k]
+        if issuer is None:
+            ranked.append((0, 0.0, k, i))  # copied once, ever
+            continue
+        j = order[issuer]
+        window = (starts[i] - (starts[j] + compute[j])) % period if period > 0 else 0.0
+        ranked.append((1, -(window - staged_copy_s[k]), k, i))
+    staged = set()
+    for _, _, _, i in sorted(ranked):
+        if pinned <= capacity_bytes:
+            break
+        staged.add(i)
+        pinned -= held[i]
+    return frozenset(staged)
