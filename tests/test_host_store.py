@@ -135,3 +135,29 @@ def test_offload_never_holds_two_copies_of_the_model() -> None:
     m = json.loads(out.stdout.strip().splitlines()[-1])
     host_peak = m["peak"] - m["base"] - m["device_side"]
     assert host_peak < 1.1 * m["model"], m
+
+
+def test_a_pack_pinned_from_two_threads_at_once_is_registered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's reader and the host budget may both pin a pack being read: one registration, since
+    a second cudaHostRegister of the same pages fails."""
+    import threading
+    import time
+
+    import flextensor.host_store as host_store
+
+    registered = []
+
+    def slow_lock(buffer: torch.Tensor, nbytes: int, what: str) -> None:
+        registered.append(buffer.data_ptr())
+        time.sleep(0.05)  # both threads are inside pin() at once
+
+    monkeypatch.setattr(host_store, "page_lock", slow_lock)
+    monkeypatch.setattr(host_store, "unlock_when_gone", lambda *args: None)
+    entries, nbytes = pack_layout([("w", torch.zeros(1024))])
+    pack = UnitPack("u", entries, nbytes, pin=False)
+    threads = [threading.Thread(target=pack.pin) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(registered) == 1 and pack.pinned

@@ -44,11 +44,11 @@ logger = logging.getLogger("flextensor")
 __all__ = ["PIN_THREADS", "HostBudget", "host_budget_target", "probe_links", "probe_staged_link"]
 
 PIN_THREADS = 8
-"""Packs page-locked at once when many are pinned after packing (under a host budget packs are built
-unpinned, then pinned here): ``cudaHostRegister`` spends its time populating and locking pages, which the
+"""Packs page-locked at once after packing (private packs are built unpinned, then pinned here, within the
+host budget if there is one): ``cudaHostRegister`` spends its time populating and locking pages, which the
 driver may do for several mappings in parallel (``flextensor probe``'s "threads at once" row says whether
-it does on a machine; not measured for this choice). The same count ``offload(weights=...)`` pins with,
-one pack per reading thread."""
+it does on a machine; not measured for this choice). The same count ``offload(weights=...)`` pins with, one
+pack per reading thread."""
 
 
 def host_budget_target(config: OffloadConfig, target: Target) -> Target:
@@ -98,7 +98,11 @@ class HostBudget:
         pin units in order while they fit; stage the rest. Raises HostBudgetError, before any pinning,
         when the budget cannot hold even the ring."""
         total = sum(_held(u) for u in units)
-        if self.budget_bytes is None or total <= self.budget_bytes:
+        if self.budget_bytes is None:
+            # Packs still being read from a checkpoint are pinned by their readers, in the background.
+            self._pin_in_parallel([u for u in units if u.pack is None or u.pack.read])
+            return
+        if total <= self.budget_bytes:
             self._pin_in_parallel(units)
             return
         slot, slots = staging_layout(max(u.nbytes for u in units))

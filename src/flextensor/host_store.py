@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
@@ -159,6 +160,7 @@ class UnitPack:
         self.entries = entries
         self.nbytes = nbytes
         self.pinned = False
+        self._pin_lock = threading.Lock()
         self._reading: Future | None = None  # bytes still being read in (see read_in_background)
         self._owner: PackOwner | None = None
         self._owner_offset = 0
@@ -183,6 +185,7 @@ class UnitPack:
         pack.entries = entries
         pack.nbytes = buffer.numel()
         pack.pinned = owner.pinned
+        pack._pin_lock = threading.Lock()
         pack._reading = None
         pack._owner = owner
         pack._owner_offset = buffer.storage_offset()
@@ -233,11 +236,12 @@ class UnitPack:
     def pin(self) -> None:
         """Page-lock this pack's own memory (the host budget decides which packs are; a pack read from a
         checkpoint is locked by its reader); no-op if pinned."""
-        if self.pinned or self._mmap is None:
-            return
-        page_lock(self._buffer, self._held, f"unit {self.unit!r}")
-        self._unlock = unlock_when_gone(self, self._mmap, self._buffer.data_ptr())
-        self.pinned = True
+        with self._pin_lock:  # a checkpoint's reader and the host budget may both pin a pack being read
+            if self.pinned or self._mmap is None:
+                return
+            page_lock(self._buffer, self._held, f"unit {self.unit!r}")
+            self._unlock = unlock_when_gone(self, self._mmap, self._buffer.data_ptr())
+            self.pinned = True
 
     def unpin(self) -> None:
         """Page-unlock this pack's own memory (no copy may be reading it); no-op if not pinned by it."""

@@ -106,8 +106,10 @@ class Packing:
 
     @property
     def pins_while_packing(self) -> bool:
-        """Whether packs are page-locked as they are built: under a host budget they are built pageable
-        and the budget pins those that fit (see [Note: host budget] in host_budget.py)."""
+        """Whether packs read from a checkpoint or shared between processes are page-locked as they are
+        built: under a host budget they are built pageable and the budget pins those that fit (see [Note:
+        host budget] in host_budget.py). Private packs of a model with weights are always built pageable
+        and pinned afterwards, several at once (host_budget.PIN_THREADS)."""
         return self.target.pin and self.target.host_budget_bytes is None
 
     def on_undo(self, callback: Callable[[], None]) -> None:
@@ -131,7 +133,7 @@ class Packing:
             self._check_resident_have_data()
             return self.units
         total = sum(p.numel() * p.element_size() for _, named in named_units for _, p in named)
-        what = "Packing and pinning weights" if pin else "Packing weights"
+        what = "Packing and pinning weights" if pin and config.share_host_memory else "Packing weights"
         with progress_bar(what, total=total, unit="bytes") as bar:
             if config.share_host_memory:
                 from .shared_store import pack_shared
@@ -144,7 +146,8 @@ class Packing:
                     self._add_unit(name, modules[name], named, pack)
             else:
                 for name, named in named_units:
-                    pack = pack_unit(name, named, pin)
+                    # Built pageable: the host budget then pins the packs, several at once (PIN_THREADS).
+                    pack = pack_unit(name, named, False)
                     self._packs.append(pack)
                     self._add_unit(name, modules[name], named, pack)
                     bar.advance(sum(e.nbytes for e in pack.entries))
