@@ -36,7 +36,7 @@ from .steady import CapturedStep, OutsideForwardStep, ProfiledStep, RecordedStep
 from .timeline import StepRecorder
 from .units import Placement, Unit
 from .weight_access import StreamedWeights
-from .weight_edits import EditSession, WeightWatch, edits_discarded, guard_parameters
+from .weight_edits import EditSession, WeightWatch, guard_parameters, refuse_forward_over_edits
 
 logger = logging.getLogger("flextensor")
 
@@ -134,15 +134,7 @@ class OffloadEngine:
                 "arena held while tracing, not the streaming; use torch.compile, or trace the model before "
                 "offload() or after flextensor.release(model)"
             )
-        if self.editing is not None:
-            raise UnsupportedOperationError(
-                "a forward of the model inside flextensor.editing(model): run it after the with-block, once "
-                "the edits are written back"
-            )
-        edited = self.watch.edited()
-        if edited:
-            self.watch.arm(self.units.values())
-            raise edits_discarded(self.store, edited)
+        refuse_forward_over_edits(self)
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
         if self.phase is Phase.PROFILING and self.learning.has_samples() and signature != self.signature:
@@ -385,16 +377,7 @@ class OffloadEngine:
         self.policy.layout_landed()
         self.signature = measurements.input_shapes
         self._record_next = True  # the first steady step is recorded for report() and trace()
-        logger.info(
-            "plan: %d unit(s) streamed, %d resident, arena %.2f GiB, predicted step %.1f ms, "
-            "predicted peak %.2f GiB%s",
-            len(plan.streamed),
-            len(plan.resident),
-            plan.arena_bytes / 2**30,
-            plan.predicted_step_s * 1e3,
-            plan.predicted_peak_bytes / 2**30,
-            "" if plan.budget_bytes is None else f" (budget {plan.budget_bytes / 2**30:.2f} GiB)",
-        )
+        logger.info("plan: %s", plan.summary())
 
     def _apply(self, entry: PlanEntry) -> None:
         """Lay out ``entry``'s plan, remember it, and enter steady state; a failure leaves no layout."""

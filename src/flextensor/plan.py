@@ -34,3 +34,13 @@ class Plan:
     predicted_peak_bytes: Bytes = 0
     budget_bytes: Bytes | None = None
     staged: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """One line for the log: counts, arena, and what the simulator predicts."""
+        budget = "" if self.budget_bytes is None else f" (budget {self.budget_bytes / 2**30:.2f} GiB)"
+        staged = f" ({len(self.staged)} staged)" if self.staged else ""
+        return (
+            f"{len(self.streamed)} unit(s) streamed{staged}, {len(self.resident)} resident, arena "
+            f"{self.arena_bytes / 2**30:.2f} GiB, predicted step {self.predicted_step_s * 1e3:.1f} ms, "
+            f"predicted peak {self.predicted_peak_bytes / 2**30:.2f} GiB{budget}"
+        )

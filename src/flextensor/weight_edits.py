@@ -60,6 +60,7 @@ __all__ = [
     "editing",
     "edits_discarded",
     "guard_parameters",
+    "refuse_forward_over_edits",
     "unguard_parameter",
 ]
 
@@ -175,6 +176,20 @@ class WeightWatch:
             return []
         changed = (u for u, v, was in zip(self._owners, now, self._versions, strict=True) if v != was)
         return list(dict.fromkeys(changed))
+
+
+def refuse_forward_over_edits(engine: OffloadEngine) -> None:
+    """At a forward's start: refuse it inside flextensor.editing(), or when streamed weights were written
+    in place outside it since the last forward (their edits are then discarded, see edits_discarded)."""
+    if engine.editing is not None:
+        raise UnsupportedOperationError(
+            "a forward of the model inside flextensor.editing(model): run it after the with-block, once "
+            "the edits are written back"
+        )
+    edited = engine.watch.edited()
+    if edited:
+        engine.watch.arm(engine.units.values())
+        raise edits_discarded(engine.store, edited)
 
 
 def edits_discarded(store: DeviceStore, edited: list[Unit]) -> UnsupportedOperationError:
