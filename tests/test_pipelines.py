@@ -32,7 +32,7 @@ def modules_of(pipe) -> dict[str, nn.Module]:
 
 def tightest_budget(pipe) -> int:
     """Two of the largest units in flight of the component that needs most: every unit of that
-    component streams, and no two components fit the budget together."""
+    component streams, and no two components fit the budget together. Of a pipeline not offloaded."""
     needs = []
     modules = pipe.values() if isinstance(pipe, dict) else modules_of(pipe).values()
     for module in modules:
@@ -159,7 +159,7 @@ def test_one_profile_file_restarts_every_component_in_steady_state(reference: to
     assert flextensor.phase(pipe) == "inference"
     path = tmp_path / "wan.ftprofile.json"
     flextensor.save_profile(pipe, path)
-    budget = tightest_budget(pipe)
+    budget = tightest_budget(tiny_wan_pipeline())  # an offloaded pipeline's weights are not all there
     flextensor.release(pipe)
 
     again = offloaded_pipeline(gpu_memory_budget=budget, profile=str(path))
@@ -312,3 +312,22 @@ def test_a_pipeline_that_ran_before_is_offloaded(reference: torch.Tensor) -> Non
     assert torch.equal(run_wan_pipeline(pipe), reference)
     flextensor.offload(pipe, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=tightest_budget(pipe)))
     assert torch.equal(run_wan_pipeline(pipe), reference)
+
+
+def test_a_list_of_one_block_makes_that_block_a_unit_not_its_layers() -> None:
+    """LTX-2's connectors hold one transformer block each: its feed-forward list must not become the units
+    (tiny pieces of one block), the block must."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.Linear(8, 8)
+            self.ff = nn.ModuleList([nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)])
+
+    class Connector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer_blocks = nn.ModuleList([Block()])
+            self.norm = nn.LayerNorm(8)
+
+    assert default_unit_patterns(Connector()) == ("transformer_blocks.*",)

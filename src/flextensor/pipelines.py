@@ -68,9 +68,9 @@ def components_of(pipe: object) -> dict[str, nn.Module] | None:
 
 
 def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
-    """The repeated blocks of ``module``: the children of each outermost ``nn.ModuleList`` with at least
-    two children that hold parameters (a transformer's blocks, a text encoder's layers, a VAE's down and
-    up blocks); ``("*",)`` when it has none (see docs/patterns.md for what ``*`` selects).
+    """The repeated blocks of ``module``: the children of each outermost ``nn.ModuleList`` whose children
+    hold parameters (a transformer's blocks, a text encoder's layers, a VAE's down and up blocks, the one
+    block of LTX-2's connectors); ``("*",)`` when it has none (see docs/patterns.md for what ``*`` selects).
 
     A module outside the blocks that holds more weights itself than the largest block is a unit too: a
     text encoder's token embedding (UMT5-XXL's is 2.1 GB, a layer 0.39 GB) would otherwise stay on the
@@ -83,7 +83,7 @@ def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
         if any(path.startswith(outer + ".") for outer in found):
             continue  # inside a block already found
         blocks = [c for c in child.children() if next(c.parameters(), None) is not None]
-        if len(blocks) >= 2:
+        if blocks:  # one block is a unit too: descending into it would cut it into its layers
             found.append(path)
             largest_block = max(largest_block, *(_nbytes(b.parameters()) for b in blocks))
     if not found:
