@@ -88,7 +88,8 @@ class _Stack(nn.Module):
 
 def test_one_noisy_profiling_forward_does_not_become_the_plan() -> None:
     # A pause in the middle of the profiling forward (another process, a clock ramping up): it is
-    # profiled again, and the plan's prediction stays near the real step, not 50 ms longer.
+    # profiled again, and the plan's prediction stays near the real step, not 200 ms longer (the bound
+    # is half the pause, so a busy machine's slower quiet forwards still pass).
     import time
 
     model = _Stack()
@@ -98,7 +99,7 @@ def test_one_noisy_profiling_forward_does_not_become_the_plan() -> None:
     def pause_once(module: nn.Module, args: tuple) -> None:
         calls["n"] += 1
         if calls["n"] == 2:  # the profiling forward's first unit (discovery is the first call)
-            time.sleep(0.05)
+            time.sleep(0.2)
 
     handle = model.layers[0].register_forward_pre_hook(pause_once)
     x = torch.randn(2, 32)
@@ -109,7 +110,7 @@ def test_one_noisy_profiling_forward_does_not_become_the_plan() -> None:
             forwards += 1
     handle.remove()
     plan = flextensor.status(model).plan
-    assert plan is not None and plan.predicted_step_s < 0.02
+    assert plan is not None and plan.predicted_step_s < 0.1
     assert forwards == 3  # discovery, the noisy profiling forward, and the one profiled again
 
 
