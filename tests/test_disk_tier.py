@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import flextensor
-from engine_helpers import LEARN, assert_all_equal, first_tensor, run_forwards
+from engine_helpers import LEARN, assert_all_equal, first_tensor, install_placement, run_forwards
 from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan_policy import input_signature
 from flextensor.planner import plan_offload
 from flextensor.staged_units import HostPlan, choose_staged
 from real_models import llama_inputs, tiny_llama
@@ -107,6 +108,39 @@ def test_editing_refuses_a_model_with_disk_units(saved: Path, llama) -> None:
     with refused, flextensor.editing(model):
         pass
     assert_all_equal(run_forwards(model, llama_inputs(), 2), expected)
+
+
+def test_a_saved_profile_keeps_the_disk_units_streaming_bitwise(saved: Path, llama, tmp_path: Path) -> None:
+    reference, expected = llama
+    model = offload_with_disk(reference, saved)
+    run_forwards(model, llama_inputs(), LEARN)
+    path = tmp_path / "llama.profile"
+    flextensor.save_profile(model, path)
+    plan = flextensor.status(model).plan
+    flextensor.release(model)
+    again = meta_llama(reference)
+    budget = budget_for(reference, 1)
+    config = streaming_config(again, LAYERS, host_memory_budget=budget, profile=path)
+    flextensor.offload(again, config, weights=saved)
+    assert_all_equal(run_forwards(again, llama_inputs(), 2), expected)
+    status = flextensor.status(again)
+    assert status.plan is not None and plan is not None and status.plan.staged == plan.staged
+    assert status.disk_bytes > 0 and status.forwards == 2 and status.phase == "inference"
+
+
+def test_disk_units_made_resident_are_read_from_the_file(saved: Path, llama) -> None:
+    reference, expected = llama
+    model = offload_with_disk(reference, saved)
+    inputs = llama_inputs()
+    run_forwards(model, inputs, LEARN)
+    on_disk = [u.name for u in flextensor.status(model).units if u.on_disk]
+    keep = on_disk[:2]  # placed by hand: on a CPU the tightest budget streams everything
+    install_placement(model, input_signature((inputs,), {}), keep)
+    assert_all_equal(run_forwards(model, inputs, 3), expected)
+    status = flextensor.status(model)
+    assert [u.name for u in status.units if u.placement == "resident"] == keep
+    assert all(status.unit(name).uploads == 1 and status.unit(name).on_disk for name in keep)
+    assert status.unit(keep[0]).host_bytes == 0  # uploaded from the file: no host pack was built
 
 
 def test_disk_units_are_always_staged_and_need_no_pinned_room() -> None:

@@ -163,6 +163,7 @@ class DiskPack(UnitPack):
 
     def free(self) -> None:
         self.files = None  # the files close when no pack and no view needs them
+        self._ranges = []
 
     def __repr__(self) -> str:
         return f"DiskPack({self.unit!r}, {len(self.entries)} parameters, {self.nbytes} bytes)"
