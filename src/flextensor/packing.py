@@ -177,10 +177,12 @@ class Packing:
                 bar.advance,
                 self.target.host_budget_bytes,
             )
+        on_disk = sum(e.nbytes for p in packs if p.disk for e in p.entries)
         logger.info(
-            "reading %.2f GiB of offloaded weights from %s in the background",
-            (weights.nbytes - total) / 2**30,
+            "reading %.2f GiB of offloaded weights from %s in the background; %.2f GiB stay in the file",
+            (weights.nbytes - total - on_disk) / 2**30,
             weights.path,
+            on_disk / 2**30,
         )
         # From here on only pointers change, and each change is recorded for undo.
         self._packs.extend(packs)
