@@ -66,6 +66,13 @@ def test_units_beyond_the_budget_stream_from_the_file_bitwise(saved: Path, llama
     assert status.disk_bytes == sum(u.nbytes for u in on_disk)
     assert status.direct_bytes + status.staging_bytes <= status.host_budget_bytes
     assert status.host_bytes_held == sum(u.host_bytes for u in status.units)
+    ahead, inline = status.disk_reads_ahead, status.disk_reads_inline
+    assert ahead > 0
+    # steady state: every disk unit was read ahead of its copy, and computes bitwise from that read
+    assert_all_equal(run_forwards(model, llama_inputs(), 3), expected)
+    after = flextensor.status(model)
+    assert after.disk_reads_inline == inline
+    assert after.disk_reads_ahead == ahead + 3 * len(on_disk)
     report = flextensor.report(model)
     assert report.disk_bytes == status.disk_bytes
     assert "read from the checkpoint file" in str(report)

@@ -12,9 +12,16 @@ planner knows the disk units' speed (``HostPlan.disk_link``, probed at offload()
 copy through the ring with the page cache dropped): they are always staged and timed at that speed, so
 the search keeps a disk unit resident when its copy would stall the step.
 
-Reads are synchronous on the thread that issues the copy (the forward's, in a pre-hook's prefetch): the
-ring overlaps the device copies, not the reads. A reader thread filling slots ahead in the planned order
-is the next step.
+[Note: disk reads ahead]
+A read on the thread that issues the copy (the forward's, in the prefetch after the previous unit) would
+hold the model's host thread for the whole read. Instead one reader thread (:class:`DiskReadAhead`) reads
+the next READ_AHEAD disk units of the planned order (cyclic: the next step's first ones after the last)
+into pageable buffers while the model runs; a disk unit's copy then waits for its read (already done when
+the compute between two disk units is longer than a read) and goes through the ring from that buffer, a
+memcpy. Each layout gives the reader the new order. A unit larger than a buffer (the buffers together are
+the ring's size, so units up to half of STAGING_RING_MAX), or one the reader has not reached, is read on
+the copying thread. The file never changes while the model is offloaded, so a read done early is never
+stale. The buffers are pageable host memory beside the budget, which bounds page-locked bytes.
 
 Everything else that reads a pack reads the file: the parameters of a disk unit that is not loaded view
 the checkpoint through a private copy-on-write mapping (reading pages on demand, holding none of them as
@@ -30,6 +37,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -41,7 +49,18 @@ from .measurements import LinkModel
 from .staged_units import pack_bytes
 from .staging import StagingRing, staging_layout
 
-__all__ = ["CheckpointFiles", "DiskPack", "choose_disk_units", "probe_disk_link"]
+__all__ = [
+    "READ_AHEAD",
+    "CheckpointFiles",
+    "DiskPack",
+    "DiskReadAhead",
+    "choose_disk_units",
+    "probe_disk_link",
+]
+
+READ_AHEAD = 2
+"""Disk units read ahead of their copies (see [Note: disk reads ahead]): two keep one read going while
+the previous unit's buffer is copied through the ring."""
 
 
 def choose_disk_units(nbytes: Sequence[int], budget_bytes: int | None) -> frozenset[int]:
@@ -121,6 +140,15 @@ class DiskPack(UnitPack):
             for entry, source in zip(entries, sources, strict=True)
         ]
         self._source_at = {entry.offset: source for entry, source in zip(entries, sources, strict=True)}
+        self.read_ahead: DiskReadAhead | None = None  # set by the host budget when it stages the unit
+
+    def copy_through(self, ring: StagingRing, destination: torch.Tensor, stream: object) -> None:
+        """Copy the unit's bytes to ``destination`` through ``ring``, from a read done ahead if there is one
+        (see [Note: disk reads ahead]), else reading the file now."""
+        if self.read_ahead is None:
+            ring.copy(destination, self.fill, stream)
+        else:
+            self.read_ahead.copy(self, ring, destination, stream)
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -206,3 +234,65 @@ def probe_disk_link(ring: StagingRing, pack: DiskPack, destination: torch.Tensor
     ring.copies -= 3  # probes are not the model's copies
     ring.staged_bytes -= 3 * size
     return LinkModel(points=((max(size, 1), size / sorted(times)[1]),))
+
+
+class DiskReadAhead:
+    """The reader thread and buffers of one model's disk units (see [Note: disk reads ahead])."""
+
+    def __init__(self, buffer_bytes: int) -> None:
+        self.buffer_bytes = buffer_bytes
+        self._free = [torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(READ_AHEAD)]
+        self._pending: dict[DiskPack, tuple[Future, torch.Tensor]] = {}
+        self._next: dict[DiskPack, DiskPack] = {}
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="flextensor-disk")
+        self.hits = 0  # copies served from a read done ahead
+        self.misses = 0  # copies that read the file on the copying thread
+
+    def plan(self, order: Sequence[DiskPack]) -> None:
+        """The disk units in the order the model streams them; reads ahead start from the first. Plan
+        time: waits for reads in flight."""
+        self._settle()
+        ahead = [p for p in order if p.nbytes <= self.buffer_bytes]
+        self._next = {p: ahead[(k + 1) % len(ahead)] for k, p in enumerate(ahead)}
+        if ahead:
+            self._start_after(ahead[-1])  # the step's first disk units
+
+    def copy(self, pack: DiskPack, ring: StagingRing, destination: torch.Tensor, stream: object) -> None:
+        pending = self._pending.pop(pack, None)
+        if pending is None:
+            self.misses += 1
+            ring.copy(destination, pack.fill, stream)
+        else:
+            future, buffer = pending
+            try:
+                future.result()  # the read's error, if it failed, is this copy's
+                ring.copy_from_host(destination, buffer[: pack.nbytes], stream)  # done with buffer on return
+            finally:
+                self._free.append(buffer)
+            self.hits += 1
+        self._start_after(pack)
+
+    def _start_after(self, pack: DiskPack) -> None:
+        """Read the units that follow ``pack`` in the order, while buffers are free."""
+        nxt = self._next.get(pack)
+        for _ in range(READ_AHEAD):
+            if nxt is None or nxt is pack or not self._free or self._pool is None:
+                return
+            if nxt not in self._pending:
+                buffer = self._free.pop()
+                future = self._pool.submit(nxt.fill, buffer[: nxt.nbytes], 0)
+                self._pending[nxt] = (future, buffer)
+            nxt = self._next.get(nxt)
+
+    def _settle(self) -> None:
+        """Wait for the reads in flight and take their buffers back."""
+        pending, self._pending = self._pending, {}
+        wait([future for future, _ in pending.values()])
+        self._free.extend(buffer for _, buffer in pending.values())
+
+    def close(self) -> None:
+        self._settle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._free = []

@@ -28,6 +28,7 @@ import torch
 
 from .bandwidth import probe_link
 from .device import DeviceRuntime, Target
+from .disk_tier import READ_AHEAD, DiskReadAhead
 from .errors import ConfigError, HostBudgetError, PinningError
 from .measurements import LinkModel
 from .sizes import format_bytes
@@ -85,6 +86,7 @@ class HostBudget:
         self.runtime = runtime
         self.pin = pin
         self.ring: StagingRing | None = None
+        self.read_ahead: DiskReadAhead | None = None  # reads disk units ahead of their copies (disk_tier.py)
 
     @property
     def capacity(self) -> int | None:
@@ -112,6 +114,10 @@ class HostBudget:
                 "it are copied through; raise host_memory_budget to at least that, or leave it unset"
             )
         self.ring = StagingRing(slot, slots, self.runtime, self.pin)
+        if on_disk:
+            self.read_ahead = DiskReadAhead(ring_bytes // READ_AHEAD)
+            for unit in on_disk:
+                unit.pack.read_ahead = self.read_ahead  # type: ignore[union-attr]
         room = self.budget_bytes - ring_bytes
         direct = []
         for unit in units:  # in module order while they fit: no plan says which matter yet
@@ -227,7 +233,16 @@ class HostBudget:
         unit.pack.unpin()
         unit.staging = self.ring
 
+    def plan_reads(self, streamed: Sequence[Unit]) -> None:
+        """Give the disk reader the streamed order of a new layout (see [Note: disk reads ahead])."""
+        if self.read_ahead is not None:
+            order = [u.pack for u in streamed if u.pack is not None and u.pack.disk and u.staging is not None]
+            self.read_ahead.plan(order)  # type: ignore[arg-type]
+
     def free(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.close()
+            self.read_ahead = None
         if self.ring is not None:
             self.ring.free()
             self.ring = None

@@ -86,7 +86,7 @@ def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -
     if unit.staging is None:
         unit.storage.copy_(unit.pack.buffer, non_blocking=True)  # type: ignore[union-attr]
     elif unit.pack.disk:  # type: ignore[union-attr]  # read from the checkpoint (see disk_tier.py)
-        unit.staging.copy(unit.storage, unit.pack.fill, copy_stream)  # type: ignore[union-attr]
+        unit.pack.copy_through(unit.staging, unit.storage, copy_stream)  # type: ignore[union-attr]
     else:  # a pageable pack under the host budget (see [Note: staging ring] in staging.py)
         unit.staging.copy_from_host(unit.storage, unit.pack.buffer, copy_stream)  # type: ignore[union-attr]
     unit.copy_done.record(copy_stream)
@@ -203,6 +203,7 @@ class DeviceStore:
             unit.point_parameters()
         for position, unit in enumerate(streamed):
             unit.prefetch_next = tuple(streamed[k] for k in layout.prefetch_after[position])
+        self.host.plan_reads(streamed)
         self.counters.layouts += 1
         self._warm_start(streamed)
 

@@ -54,7 +54,9 @@ class OffloadStatus:
     a CPU); ``staging_bytes``: the staging ring's bytes (0 without one); ``host_budget_bytes``: the host
     budget in force (None: none); ``direct_bytes``: bytes of the packs copied straight to the device, which
     with the ring are what the host budget bounds (on CUDA, what is pinned); ``disk_bytes``: bytes of the
-    units streamed from the checkpoint file, with no host pack (the disk tier).
+    units streamed from the checkpoint file, with no host pack (the disk tier); of their copies,
+    ``disk_reads_ahead`` were read by the disk reader ahead of time and ``disk_reads_inline`` on the
+    copying thread (see docs/host-memory.md).
     """
 
     model: str
@@ -77,6 +79,8 @@ class OffloadStatus:
     host_budget_bytes: int | None = None
     direct_bytes: int = 0
     disk_bytes: int = 0
+    disk_reads_ahead: int = 0
+    disk_reads_inline: int = 0
 
     def unit(self, name: str) -> UnitStatus:
         """The status of the unit ``name`` (SelectionError if it is not an offload unit)."""
@@ -118,6 +122,7 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
         for u in ordered
     )
     counters = engine.store.counters
+    reader = engine.store.host.read_ahead
     return OffloadStatus(
         model=type(engine.model).__name__,
         device=str(engine.runtime.device),
@@ -139,4 +144,6 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
         host_budget_bytes=engine.store.host.budget_bytes,
         direct_bytes=engine.store.host.direct_bytes(engine.store.units),
         disk_bytes=engine.store.disk_bytes(),
+        disk_reads_ahead=0 if reader is None else reader.hits,
+        disk_reads_inline=0 if reader is None else reader.misses,
     )
