@@ -174,3 +174,77 @@ def test_the_planner_times_disk_units_at_the_disk_speed() -> None:
     plan_slow = plan_offload(measurements, budget, slow)
     assert set(plan_slow.staged) >= {"u1", "u2"} & set(plan_slow.streamed)
     assert plan_slow.predicted_step_s > plan_fast.predicted_step_s
+
+
+# -- host memory -------------------------------------------------------------------------------------------
+
+RSS_LAYERS, RSS_IN, RSS_OUT = 24, 1024, 1024  # 24 units of 4 MiB: 96 MiB of float32 weights
+
+_RSS_CHILD = """
+import sys, threading, time
+import psutil, torch
+from torch import nn
+import flextensor
+
+with torch.device("meta"):
+    model = nn.Sequential(*[nn.Linear({n_in}, {n_out}, bias=False) for _ in range({layers})]).eval()
+process = psutil.Process()
+x = torch.randn(1, {n_in})
+peak = before = process.memory_info().rss
+done = False
+
+def sample():
+    global peak
+    while not done:
+        peak = max(peak, process.memory_info().rss)
+        time.sleep(0.002)
+
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+config = flextensor.OffloadConfig(device="cpu", gpu_memory_budget="8MiB", host_memory_budget="16MiB")
+flextensor.offload(model, config, weights=sys.argv[1])
+with torch.no_grad():
+    for _ in range({forwards}):
+        model(x)
+done = True
+sampler.join()
+peak = max(peak, process.memory_info().rss)
+status = flextensor.status(model)
+assert status.phase == "inference" and status.disk_bytes > 0, status
+print(peak - before)
+"""
+
+
+def test_host_memory_stays_below_the_weights(tmp_path: Path) -> None:
+    """Offloaded from a checkpoint under a small host budget, the model runs with far less host RAM than
+    its weights: most units stay in the file, and streaming them holds only the ring and the reader's
+    buffers."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    state = {f"{i}.weight": torch.randn(RSS_OUT, RSS_IN) for i in range(RSS_LAYERS)}
+    weights = sum(t.numel() * t.element_size() for t in state.values())
+    save_file(state, str(tmp_path / "big.safetensors"))
+    del state
+    child = _RSS_CHILD.format(layers=RSS_LAYERS, n_in=RSS_IN, n_out=RSS_OUT, forwards=LEARN + 2)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "FT_PROGRESS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(child), str(tmp_path / "big.safetensors")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    growth = int(result.stdout.strip().splitlines()[-1])
+    print(f"RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights")
+    assert growth <= weights / 2, (
+        f"RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
+    )
