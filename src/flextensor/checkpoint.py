@@ -237,23 +237,35 @@ def read_checkpoint(
     pin: bool,
     device: torch.device,
     advance: Callable[[int], None],
+    host_budget_bytes: int | None = None,
 ) -> tuple[list[UnitPack], dict[int, torch.Tensor]]:
-    """Read every ``resident`` tensor onto ``device``, and start reading every unit into a new pack.
+    """Read every ``resident`` tensor onto ``device``, and start reading every unit into a new pack, but
+    those a ``host_budget_bytes`` cannot hold, which stay on disk (see [Note: disk tier] in disk_tier.py).
 
     Returns the packs (in ``units`` order), whose reads go on in the background (see [Note: reading while
     the model runs]), and id(resident tensor) -> its value on ``device``, all read. On a failure before it
     returns, every pack is freed (its read stopped or waited for) and the error raised; nothing in the
     model has changed.
     """
+    from .disk_tier import CheckpointFiles, DiskPack, choose_disk_units
+
     reads = _Reads(load)
     packs: list[UnitPack] = []
     try:
-        for name, named in units:
-            entries, nbytes = unit_layout(load, named)
-            packs.append(UnitPack(name, entries, nbytes, pin=False))  # locked by its reader
+        layouts = [unit_layout(load, named) for _, named in units]
+        disk = choose_disk_units([nbytes for _, nbytes in layouts], host_budget_bytes)
+        files = CheckpointFiles(sorted({s.file for s in load.sources.values()})) if disk else None
+        for index, ((name, named), (entries, nbytes)) in enumerate(zip(units, layouts, strict=True)):
+            if index in disk:
+                assert files is not None
+                sources = [load.source_of(param) for _, param in named]
+                packs.append(DiskPack(name, entries, nbytes, sources, files))
+            else:
+                packs.append(UnitPack(name, entries, nbytes, pin=False))  # locked by its reader
         # The largest first: the link probe copies from it as soon as offload() has laid out.
-        order = sorted(range(len(units)), key=lambda i: -packs[i].nbytes)[:1]
-        order += [i for i in range(len(units)) if i not in order]
+        host = [i for i in range(len(units)) if i not in disk]
+        order = sorted(host, key=lambda i: -packs[i].nbytes)[:1]
+        order += [i for i in host if i not in order]
         for index in order:
             named = units[index][1]
             pack = packs[index]

@@ -28,6 +28,7 @@ import torch
 
 from .bandwidth import probe_link
 from .device import DeviceRuntime, Target
+from .disk_tier import READ_AHEAD, DiskReadAhead
 from .errors import ConfigError, HostBudgetError, PinningError
 from .measurements import LinkModel
 from .sizes import format_bytes
@@ -85,6 +86,7 @@ class HostBudget:
         self.runtime = runtime
         self.pin = pin
         self.ring: StagingRing | None = None
+        self.read_ahead: DiskReadAhead | None = None  # reads disk units ahead of their copies (disk_tier.py)
 
     @property
     def capacity(self) -> int | None:
@@ -98,11 +100,12 @@ class HostBudget:
         pin units in order while they fit; stage the rest. Raises HostBudgetError, before any pinning,
         when the budget cannot hold even the ring."""
         total = sum(_held(u) for u in units)
+        on_disk = [u for u in units if u.pack is not None and u.pack.disk]
         if self.budget_bytes is None:
             # Packs still being read from a checkpoint are pinned by their readers, in the background.
             self._pin_in_parallel([u for u in units if u.pack is None or u.pack.read])
             return
-        if total <= self.budget_bytes:
+        if total <= self.budget_bytes and not on_disk:
             self._pin_in_parallel(units)
             return
         slot, slots = staging_layout(max(u.nbytes for u in units))
@@ -115,24 +118,33 @@ class HostBudget:
                 "it are copied through; raise host_memory_budget to at least that, or leave it unset"
             )
         self.ring = StagingRing(slot, slots, self.runtime, self.pin)
+        if on_disk:
+            self.read_ahead = DiskReadAhead(ring_bytes // READ_AHEAD)
+            for unit in on_disk:
+                unit.pack.read_ahead = self.read_ahead  # type: ignore[union-attr]
         room = self.budget_bytes - ring_bytes
         direct = []
         for unit in units:  # in module order while they fit: no plan says which matter yet
-            if _held(unit) <= room:
+            if unit in on_disk:  # streams from the checkpoint through the ring (see disk_tier.py)
+                unit.staging = self.ring
+            elif _held(unit) <= room:
                 room -= _held(unit)
                 direct.append(unit)
             else:
                 self._stage(unit)
         self._pin_in_parallel(direct)
-        staged = [u for u in units if u.staging is not None]
+        staged = [u for u in units if u.staging is not None and u not in on_disk]
         logger.info(
-            "host budget %s: %d unit(s) pinned (%s), %d staged through a %s ring (%s)",
+            "host budget %s: %d unit(s) pinned (%s), %d staged through a %s ring (%s), %d read from the "
+            "checkpoint through it (%s)",
             format_bytes(self.budget_bytes),
-            len(units) - len(staged),
+            len(units) - len(staged) - len(on_disk),
             format_bytes(self.direct_bytes(units)),
             len(staged),
             format_bytes(ring_bytes),
             format_bytes(sum(_held(u) for u in staged)),
+            len(on_disk),
+            format_bytes(sum(u.nbytes for u in on_disk)),
         )
 
     def direct_bytes(self, units: Sequence[Unit]) -> int:
@@ -156,7 +168,7 @@ class HostBudget:
         capacity = self.capacity
         if capacity is None:
             return
-        wanted = [u for u in streamed if u.name not in staged and u.pack is not None]
+        wanted = [u for u in streamed if u.name not in staged and u.pack is not None and not u.pack.disk]
         wanted_set = set(wanted)
         streaming = set(streamed)
         # Who gives way first: units not streamed (resident, never run), then those this plan stages.
@@ -225,7 +237,16 @@ class HostBudget:
         unit.pack.unpin()
         unit.staging = self.ring
 
+    def plan_reads(self, streamed: Sequence[Unit]) -> None:
+        """Give the disk reader the streamed order of a new layout (see [Note: disk reads ahead])."""
+        if self.read_ahead is not None:
+            order = [u.pack for u in streamed if u.pack is not None and u.pack.disk and u.staging is not None]
+            self.read_ahead.plan(order)  # type: ignore[arg-type]
+
     def free(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.close()
+            self.read_ahead = None
         if self.ring is not None:
             self.ring.free()
             self.ring = None
@@ -278,10 +299,25 @@ def probe_links(store: DeviceStore, arena: torch.Tensor) -> tuple[LinkModel, Hos
         return link, None
     staged = max((u for u in units if u.staging is not None), key=lambda u: u.nbytes)
     assert staged.pack is not None and host.capacity is not None
-    staged_link = probe_staged_link(ring, staged.pack.buffer, arena)
+    staged_link = probe_staged_link(ring, staged.pack.buffer, arena)  # a disk unit's: read once for it
     logger.info(
         "staged copies: %.2f GB/s against %.2f GB/s pinned",
         staged_link.bytes_per_s(staged.nbytes) / 1e9,
         link.bytes_per_s(staged.nbytes) / 1e9,
     )
-    return link, HostPlan(capacity_bytes=host.capacity, staged_link=staged_link)
+    on_disk = [u for u in units if u.pack is not None and u.pack.disk]
+    if not on_disk:
+        return link, HostPlan(capacity_bytes=host.capacity, staged_link=staged_link)
+    from .disk_tier import DiskPack, probe_disk_link
+
+    largest = max(on_disk, key=lambda u: u.nbytes)
+    assert isinstance(largest.pack, DiskPack)
+    disk_link = probe_disk_link(ring, largest.pack, arena)
+    logger.info(
+        "copies from the checkpoint file: %.2f GB/s (%d unit(s), %s)",
+        disk_link.bytes_per_s(largest.nbytes) / 1e9,
+        len(on_disk),
+        format_bytes(sum(u.nbytes for u in on_disk)),
+    )
+    disk = frozenset(u.name for u in on_disk)
+    return link, HostPlan(host.capacity, staged_link, disk_units=disk, disk_link=disk_link)

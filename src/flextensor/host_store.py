@@ -155,6 +155,8 @@ class UnitPack:
     views a range of memory that ``owner`` holds (a segment shared between processes).
     """
 
+    disk = False  # a DiskPack (disk_tier.py) holds no host memory: its bytes stay in the checkpoint file
+
     def __init__(self, unit: str, entries: tuple[PackedParameter, ...], nbytes: int, pin: bool) -> None:
         self.unit = unit
         self.entries = entries
@@ -232,6 +234,10 @@ class UnitPack:
         """The pack's memory whether or not its bytes are read yet: for its reader, and to point
         parameters at before their unit loads (see [Note: packs filled in the background])."""
         return self._buffer
+
+    def unread_view(self, entry: PackedParameter) -> torch.Tensor:
+        """``entry``'s weights over ``unread_buffer``: what a parameter points at before its unit loads."""
+        return entry.view(self._buffer)
 
     def pin(self) -> None:
         """Page-lock this pack's own memory (the host budget decides which packs are; a pack read from a

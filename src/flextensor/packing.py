@@ -172,19 +172,27 @@ class Packing:
         total = sum(weights.source_of(t).nbytes for t in resident.values())
         with progress_bar("Reading the weights kept on the device", total=total, unit="bytes") as bar:
             packs, values = read_checkpoint(
-                weights, named_units, list(resident.values()), self.pins_while_packing, device, bar.advance
+                weights,
+                named_units,
+                list(resident.values()),
+                self.pins_while_packing,
+                device,
+                bar.advance,
+                self.target.host_budget_bytes,
             )
+        on_disk = sum(e.nbytes for p in packs if p.disk for e in p.entries)
         logger.info(
-            "reading %.2f GiB of offloaded weights from %s in the background",
-            (weights.nbytes - total) / 2**30,
+            "reading %.2f GiB of offloaded weights from %s in the background; %.2f GiB stay in the file",
+            (weights.nbytes - total - on_disk) / 2**30,
             weights.path,
+            on_disk / 2**30,
         )
         # From here on only pointers change, and each change is recorded for undo.
         self._packs.extend(packs)
         places = _places(self.model)
         for (name, named), pack in zip(named_units, packs, strict=True):
             placed = [
-                (fqn, self._assign_parameter(param, entry.view(pack.unread_buffer), places[id(param)]))
+                (fqn, self._assign_parameter(param, pack.unread_view(entry), places[id(param)]))
                 for (fqn, param), entry in zip(named, pack.entries, strict=True)
             ]
             self._add_unit(name, modules[name], placed, pack)

@@ -99,6 +99,13 @@ class _Search:
         self.measurements = measurements
         self.host = host
         self.staged_copy_s = [] if host is None else [host.staged_link.copy_s(u.nbytes) for u in units]
+        self.on_disk = frozenset(
+            i for i, u in enumerate(units) if host is not None and u.name in host.disk_units
+        )
+        if host is not None and host.disk_link is not None:
+            for i in self.on_disk:  # through the ring too: the slower of the read and the staged copy
+                disk_s = host.disk_link.copy_s(units[i].nbytes)
+                self.staged_copy_s[i] = max(self.staged_copy_s[i], disk_s)
         self.names = [u.name for u in units]
         self.nbytes = [u.nbytes for u in units]
         self.padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in units]
@@ -153,6 +160,7 @@ class _Search:
                 ready_after,
                 staged_copy_s,
                 self.host.capacity_bytes,
+                self.on_disk,
             )
             copy_s = [staged_copy_s[k] if i in staged else copy_s[k] for k, i in enumerate(order)]
         trace = run_streams(
@@ -386,7 +394,13 @@ def plan_offload(
         budget_bytes=budget_bytes,
         staged=tuple(names[i] for i in range(len(names)) if i in config.staged),
     )
-    prediction = simulate(plan, measurements, staged_link=None if host is None else host.staged_link)
+    prediction = simulate(
+        plan,
+        measurements,
+        staged_link=None if host is None else host.staged_link,
+        disk_link=None if host is None else host.disk_link,
+        disk_units=frozenset() if host is None else host.disk_units,
+    )
     return Plan(
         resident=plan.resident,
         streamed=plan.streamed,

@@ -79,7 +79,8 @@ class Report:
     mapped until they go, and is not counted. Of it, ``host_pinned_bytes`` are page-locked (0 on a CPU)
     and ``host_pageable_bytes`` not; ``staging_bytes`` is the pinned staging ring the pageable packs are
     copied through (included in ``host_pinned_bytes``, not in ``host_bytes_held``), and
-    ``host_budget_bytes`` the host budget in force (see docs/host-memory.md).
+    ``host_budget_bytes`` the host budget in force (see docs/host-memory.md); ``disk_bytes`` the weights
+    streamed from the checkpoint file, with no host pack (the disk tier, not in ``host_bytes_held``).
     """
 
     model: str
@@ -106,6 +107,7 @@ class Report:
     host_pageable_bytes: int = 0
     staging_bytes: int = 0
     host_budget_bytes: int | None = None
+    disk_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain JSON-ready data; each unit also gets ``placement`` and ``slot`` strings."""
@@ -209,6 +211,8 @@ class Report:
         host += f"; {format_bytes(self.host_pinned_bytes)} pinned in all"
         if self.host_budget_bytes is not None:
             host += f"; host budget {format_bytes(self.host_budget_bytes)}"
+        if self.disk_bytes:
+            host += f"; {format_bytes(self.disk_bytes)} read from the checkpoint file"
         grid.add_row("host", host)
         budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         if self.peak_allocated_bytes is None:
@@ -386,4 +390,5 @@ def report(model: nn.Module) -> Report | PipelineReport:
         ),
         staging_bytes=engine.store.staging_bytes(),
         host_budget_bytes=engine.store.host.budget_bytes,
+        disk_bytes=engine.store.disk_bytes(),
     )

@@ -296,12 +296,15 @@ def simulate(
     steps: int = DEFAULT_STEPS,
     cyclic: bool = True,
     staged_link: LinkModel | None = None,
+    disk_link: LinkModel | None = None,
+    disk_units: frozenset[str] = frozenset(),
 ) -> Simulation:
     """Simulate ``steps`` consecutive forwards under ``plan`` and report the last (steady) one.
 
     ``cyclic=False`` models forwards that each start with an empty arena and no cross-step prefetch.
     ``staged_link``: the speed of the plan's staged units' copies (through the staging ring); without
-    it they are timed like the others.
+    it they are timed like the others. ``disk_units`` (staged, read from the checkpoint file) are timed
+    at the slower of ``staged_link`` and ``disk_link``.
     Raises PlanError when the plan does not place every measured unit exactly once, or when the arena
     cannot hold its largest streamed unit.
     """
@@ -319,6 +322,11 @@ def simulate(
         (staged_link if name in staged else link).copy_s(n)  # type: ignore[union-attr]
         for name, n in zip(layout.order, layout.sizes, strict=True)
     ]
+    if disk_link is not None:
+        copy_s = [
+            max(s, disk_link.copy_s(n)) if name in disk_units else s
+            for s, name, n in zip(copy_s, layout.order, layout.sizes, strict=True)
+        ]
     trace = run_streams(
         [u.compute_s for u in units],
         [u.gap_before_s for u in units],

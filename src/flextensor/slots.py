@@ -85,6 +85,8 @@ def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -
         owner[cell] = None
     if unit.staging is None:
         unit.storage.copy_(unit.pack.buffer, non_blocking=True)  # type: ignore[union-attr]
+    elif unit.pack.disk:  # type: ignore[union-attr]  # read from the checkpoint (see disk_tier.py)
+        unit.pack.copy_through(unit.staging, unit.storage, copy_stream)  # type: ignore[union-attr]
     else:  # a pageable pack under the host budget (see [Note: staging ring] in staging.py)
         unit.staging.copy_from_host(unit.storage, unit.pack.buffer, copy_stream)  # type: ignore[union-attr]
     unit.copy_done.record(copy_stream)
@@ -201,6 +203,7 @@ class DeviceStore:
             unit.point_parameters()
         for position, unit in enumerate(streamed):
             unit.prefetch_next = tuple(streamed[k] for k in layout.prefetch_after[position])
+        self.host.plan_reads(streamed)
         self.counters.layouts += 1
         self._warm_start(streamed)
 
@@ -263,7 +266,9 @@ class DeviceStore:
             return
         for unit in self.units:
             pack = unit.pack
-            if unit.name in resident_everywhere and unit.resident and pack is not None and not pack.shared:
+            if pack is None or pack.shared or pack.disk:  # a disk pack holds no host memory to give back
+                continue
+            if unit.name in resident_everywhere and unit.resident:
                 if unit.storage is not None and unit.weights_version() != unit.storage_version:
                     continue  # edited in place since the upload: the pack is refreshed when it streams
                 pack.free()
@@ -278,6 +283,10 @@ class DeviceStore:
         edited = unit.weights_version() != unit.storage_version
         if unit.pack is not None and not edited:
             return
+        if unit.pack is not None and unit.pack.disk:  # edited in place: the file no longer holds its weights
+            unit.pack.free()
+            unit.pack = None
+            unit.staging = None
         if unit.pack is None:
             pack = UnitPack(unit.name, unit.entries, unit.nbytes, False)  # the host budget pins it
             try:
@@ -341,6 +350,10 @@ class DeviceStore:
         ring = self.host.ring
         packs = sum(u.pack.held_bytes for u in self.units if u.pack is not None and u.pack.pinned)
         return packs + (ring.nbytes if ring is not None and ring.pinned else 0)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the units that stream from the checkpoint file, with no host pack (see disk_tier.py)."""
+        return sum(u.nbytes for u in self.units if u.pack is not None and u.pack.disk)
 
     def staging_bytes(self) -> int:
         """Host bytes of the staging ring (0 when every pack fits the host budget)."""

@@ -34,10 +34,13 @@ __all__ = ["HostPlan", "choose_staged"]
 @dataclass(frozen=True)
 class HostPlan:
     """What the host budget leaves the planner: ``capacity_bytes`` of packs may be pinned (the budget
-    less the staging ring); the others copy at ``staged_link``'s speed."""
+    less the staging ring); the others copy at ``staged_link``'s speed. ``disk_units`` have no host pack
+    (see [Note: disk tier] in disk_tier.py): always staged, they copy at ``disk_link``'s speed."""
 
     capacity_bytes: int
     staged_link: LinkModel
+    disk_units: frozenset[str] = frozenset()
+    disk_link: LinkModel | None = None
 
 
 def pack_bytes(nbytes: int) -> int:
@@ -54,19 +57,24 @@ def choose_staged(
     ready_after: Sequence[int | None],
     staged_copy_s: Sequence[float],
     capacity_bytes: int,
+    on_disk: frozenset[int] = frozenset(),
 ) -> frozenset[int]:
     """The units (indices) to stage among the streamed ``order`` (see [Note: which units are staged]).
 
     Per unit index: ``nbytes``, ``starts`` (its start in the all-resident timeline) and ``compute`` (its
     compute time); ``period`` is that timeline's length. Per streamed position: ``ready_after`` (the
     position whose post-hook issues its copy, None when it is copied once) and ``staged_copy_s``.
+    Units ``on_disk`` hold no pack: they are staged, always, and need no pinned bytes.
     """
-    held = {i: pack_bytes(nbytes[i]) for i in order}
+    held = {i: pack_bytes(nbytes[i]) for i in order if i not in on_disk}
     pinned = sum(held.values())
+    forced = frozenset(i for i in order if i in on_disk)
     if pinned <= capacity_bytes:
-        return frozenset()
+        return forced
     ranked = []
     for k, i in enumerate(order):
+        if i in on_disk:
+            continue
         issuer = ready_after[k]
         if issuer is None:
             ranked.append((0, 0.0, k, i))  # copied once, ever
@@ -74,7 +82,7 @@ def choose_staged(
         j = order[issuer]
         window = (starts[i] - (starts[j] + compute[j])) % period if period > 0 else 0.0
         ranked.append((1, -(window - staged_copy_s[k]), k, i))
-    staged = set()
+    staged = set(forced)
     for _, _, _, i in sorted(ranked):
         if pinned <= capacity_bytes:
             break

@@ -26,7 +26,8 @@ class UnitStatus:
     (resident with no host copy); ``host_bytes`` the host memory its pack holds (0 without one);
     ``pinned`` / ``shared`` describe that pack; ``uploads`` / ``pack_rebuilds`` count how often it was
     given resident storage and had its pack built again from it. ``staged``: its copies go through the
-    staging ring (its pack did not fit the host budget; see docs/host-memory.md)."""
+    staging ring (its pack did not fit the host budget; see docs/host-memory.md). ``on_disk``: it has no
+    host pack, its copies read the checkpoint file (the disk tier; see docs/host-memory.md)."""
 
     name: str
     nbytes: int
@@ -37,6 +38,7 @@ class UnitStatus:
     uploads: int
     pack_rebuilds: int
     staged: bool = False
+    on_disk: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,10 @@ class OffloadStatus:
     ``host_pinned_bytes``: host bytes page-locked for the weights (pinned packs and the staging ring; 0 on
     a CPU); ``staging_bytes``: the staging ring's bytes (0 without one); ``host_budget_bytes``: the host
     budget in force (None: none); ``direct_bytes``: bytes of the packs copied straight to the device, which
-    with the ring are what the host budget bounds (on CUDA, what is pinned).
+    with the ring are what the host budget bounds (on CUDA, what is pinned); ``disk_bytes``: bytes of the
+    units streamed from the checkpoint file, with no host pack (the disk tier); of their copies,
+    ``disk_reads_ahead`` were read by the disk reader ahead of time and ``disk_reads_inline`` on the
+    copying thread (see docs/host-memory.md).
     """
 
     model: str
@@ -73,6 +78,9 @@ class OffloadStatus:
     staging_bytes: int = 0
     host_budget_bytes: int | None = None
     direct_bytes: int = 0
+    disk_bytes: int = 0
+    disk_reads_ahead: int = 0
+    disk_reads_inline: int = 0
 
     def unit(self, name: str) -> UnitStatus:
         """The status of the unit ``name`` (SelectionError if it is not an offload unit)."""
@@ -109,10 +117,12 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
             uploads=u.uploads,
             pack_rebuilds=u.pack_rebuilds,
             staged=u.pack is not None and u.staging is not None,
+            on_disk=u.pack is not None and u.pack.disk,
         )
         for u in ordered
     )
     counters = engine.store.counters
+    reader = engine.store.host.read_ahead
     return OffloadStatus(
         model=type(engine.model).__name__,
         device=str(engine.runtime.device),
@@ -133,4 +143,7 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
         staging_bytes=engine.store.staging_bytes(),
         host_budget_bytes=engine.store.host.budget_bytes,
         direct_bytes=engine.store.host.direct_bytes(engine.store.units),
+        disk_bytes=engine.store.disk_bytes(),
+        disk_reads_ahead=0 if reader is None else reader.hits,
+        disk_reads_inline=0 if reader is None else reader.misses,
     )

@@ -232,6 +232,8 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
         except NotOffloadedError:
             if components is None:
                 raise  # a pipeline's components that are not offloaded need no editing
+    for engine in engines:  # before any session begins: nothing to undo
+        _refuse_disk_units(engine)
     sessions: list[EditSession] = []
     try:
         for engine in engines:
@@ -247,6 +249,19 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+def _refuse_disk_units(engine: OffloadEngine) -> None:
+    """The checkpoint file is the only copy of a disk unit's weights, and not ours to write (see
+    [Note: disk tier] in disk_tier.py)."""
+    on_disk = [u.name for u in engine.units.values() if u.pack is not None and u.pack.disk]
+    if on_disk:
+        raise UnsupportedOperationError(
+            f"{len(on_disk)} unit(s) of this model ({', '.join(on_disk[:4])}) stream from the checkpoint "
+            "file (their packs did not fit host_memory_budget), which is the only copy of their weights: "
+            "flextensor.editing cannot write them; raise host_memory_budget so every pack fits, or save "
+            "the edited weights to a new checkpoint and offload from it"
+        )
 
 
 class EditSession:

@@ -1,0 +1,298 @@
+"""The disk tier: units whose bytes stay in the checkpoint file and stream from it through the staging ring.
+
+[Note: disk tier]
+With ``offload(model, config, weights=PATH)`` and a host budget too small for every pack next to the
+staging ring, the units that do not fit get no host pack at all: a :class:`DiskPack` stands in for it.
+Its copies to the device read the unit's tensors from the checkpoint file (``preadv``, one range per
+tensor, dropped from the page cache like the loading's reads) into a staging slot, then copy the slot to
+the device, as a staged copy does (``StagingRing.copy`` with :meth:`DiskPack.fill` as its fill). Which
+units these are is decided at offload(), like the first split of the host budget: units in module order
+keep a host pack while the budget (less the ring) holds them, the rest stay on disk for good. The
+planner knows the disk units' speed (``HostPlan.disk_link``, probed at offload() by timing a disk unit's
+copy through the ring with the page cache dropped): they are always staged and timed at that speed, so
+the search keeps a disk unit resident when its copy would stall the step.
+
+[Note: disk reads ahead]
+A read on the thread that issues the copy (the forward's, in the prefetch after the previous unit) would
+hold the model's host thread for the whole read. Instead one reader thread (:class:`DiskReadAhead`) reads
+the next READ_AHEAD disk units of the planned order (cyclic: the next step's first ones after the last)
+into pageable buffers while the model runs; a disk unit's copy then waits for its read (already done when
+the compute between two disk units is longer than a read) and goes through the ring from that buffer, a
+memcpy. Each layout gives the reader the new order. A unit larger than a buffer (the buffers together are
+the ring's size, so units up to half of STAGING_RING_MAX), or one the reader has not reached, is read on
+the copying thread. The file never changes while the model is offloaded, so a read done early is never
+stale. The buffers are pageable host memory beside the budget, which bounds page-locked bytes.
+
+Everything else that reads a pack reads the file: the parameters of a disk unit that is not loaded view
+the checkpoint through a private copy-on-write mapping (reading pages on demand, holding none of them as
+anonymous memory), so ``state_dict()``, ``release()`` and reads outside a forward see the checkpoint's
+values; a unit made resident is uploaded from a read of the file. ``flextensor.editing`` refuses a model
+with disk units: the file is the only copy of their weights, and writing into it is not ours to do.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import torch
+
+from .checkpoint_files import CheckpointTensor
+from .errors import CheckpointError
+from .host_store import PackedParameter, UnitPack
+from .measurements import LinkModel
+from .staged_units import pack_bytes
+from .staging import StagingRing, staging_layout
+
+__all__ = [
+    "READ_AHEAD",
+    "CheckpointFiles",
+    "DiskPack",
+    "DiskReadAhead",
+    "choose_disk_units",
+    "probe_disk_link",
+]
+
+READ_AHEAD = 2
+"""Disk units read ahead of their copies (see [Note: disk reads ahead]): two keep one read going while
+the previous unit's buffer is copied through the ring."""
+
+
+def choose_disk_units(nbytes: Sequence[int], budget_bytes: int | None) -> frozenset[int]:
+    """Indices of the units (in module order, of ``nbytes`` each) left on disk: none when the budget holds
+    every pack; else, after the staging ring, units keep a pack in order while the rest of the budget
+    holds them, the same greedy split as HostBudget.start. A budget below the ring leaves all on host
+    (HostBudget.start raises its error)."""
+    held = [pack_bytes(n) for n in nbytes]
+    if budget_bytes is None or not nbytes or sum(held) <= budget_bytes:
+        return frozenset()
+    slot, slots = staging_layout(max(nbytes))
+    room = budget_bytes - slot * slots
+    if room < 0:
+        return frozenset()
+    disk = set()
+    for i, size in enumerate(held):
+        if size <= room:
+            room -= size
+        else:
+            disk.add(i)
+    return frozenset(disk)
+
+
+class CheckpointFiles:
+    """The checkpoint's files, open for reading and mapped copy-on-write, shared by the disk packs; closed
+    when the last pack and the last tensor viewing a mapping are gone."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self.fds: dict[Path, int] = {}
+        self.maps: dict[Path, mmap.mmap] = {}
+        try:
+            for file in files:
+                fd = os.open(file, os.O_RDONLY)
+                self.fds[file] = fd
+                if os.fstat(fd).st_size:
+                    self.maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except BaseException:
+            _close(dict(self.fds))
+            raise
+        weakref.finalize(self, _close, dict(self.fds))
+
+
+def _close(fds: dict[Path, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+
+
+class DiskPack(UnitPack):
+    """A unit's "pack" that holds no host memory: its bytes are read from the checkpoint when needed (see
+    [Note: disk tier]). ``sources[k]`` is where ``entries[k]`` is in the checkpoint."""
+
+    disk = True
+
+    def __init__(
+        self,
+        unit: str,
+        entries: tuple[PackedParameter, ...],
+        nbytes: int,
+        sources: Sequence[CheckpointTensor],
+        files: CheckpointFiles,
+    ) -> None:
+        # No UnitPack.__init__: it maps host memory, which is what a disk unit does without.
+        self.unit = unit
+        self.entries = entries
+        self.nbytes = nbytes
+        self.pinned = False
+        self._reading = None
+        self._owner = None
+        self._owner_offset = 0
+        self._mmap = None
+        self._held = 0
+        self._unlock = None
+        self.files: CheckpointFiles | None = files
+        # Per entry, in pack order: (pack offset, bytes, fd, file offset); a copy reads these ranges.
+        self._ranges = [
+            (entry.offset, entry.nbytes, files.fds[source.file], source.start)
+            for entry, source in zip(entries, sources, strict=True)
+        ]
+        self._source_at = {entry.offset: source for entry, source in zip(entries, sources, strict=True)}
+        self.read_ahead: DiskReadAhead | None = None  # set by the host budget when it stages the unit
+
+    def copy_through(self, ring: StagingRing, destination: torch.Tensor, stream: object) -> None:
+        """Copy the unit's bytes to ``destination`` through ``ring``, from a read done ahead if there is one
+        (see [Note: disk reads ahead]), else reading the file now."""
+        if self.read_ahead is None:
+            ring.copy(destination, self.fill, stream)
+        else:
+            self.read_ahead.copy(self, ring, destination, stream)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The unit's bytes in pack layout, read from the file into a new pageable tensor (a one-off:
+        an upload to resident storage, a link probe)."""
+        whole = torch.zeros(self.nbytes, dtype=torch.uint8)
+        self.fill(whole, 0)
+        return whole
+
+    @property
+    def unread_buffer(self) -> torch.Tensor:
+        raise CheckpointError(f"unit {self.unit!r} streams from the checkpoint file: it has no host buffer")
+
+    def unread_view(self, entry: PackedParameter) -> torch.Tensor:
+        return self.view(entry)
+
+    def view(self, entry: PackedParameter) -> torch.Tensor:
+        """``entry``'s weights viewing the checkpoint file (copy-on-write: a write never reaches the file)."""
+        if entry.numel == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        assert self.files is not None, f"the disk pack of unit {self.unit!r} was freed"
+        source = self._source_at[entry.offset]
+        flat = torch.frombuffer(
+            self.files.maps[source.file], dtype=entry.dtype, count=entry.numel, offset=source.start
+        )
+        return entry.shaped(flat)
+
+    def standalone_view(self, entry: PackedParameter) -> torch.Tensor:
+        return self.view(entry)  # a storage of its own per call already
+
+    def fill(self, slot: torch.Tensor, offset: int) -> None:
+        """Read the unit's bytes at pack ``offset`` into ``slot`` (a uint8 host tensor): the staging
+        ring's fill. Padding between tensors is left as it was (nothing reads it)."""
+        end = offset + slot.numel()
+        dest = memoryview(slot.numpy())
+        for start, count, fd, file_offset in self._ranges:
+            lo, hi = max(start, offset), min(start + count, end)
+            if lo < hi:
+                _pread(fd, dest[lo - offset : hi - offset], file_offset + lo - start, self.unit)
+
+    def free(self) -> None:
+        self.files = None  # the files close when no pack and no view needs them
+        self._ranges = []
+
+    def __repr__(self) -> str:
+        return f"DiskPack({self.unit!r}, {len(self.entries)} parameters, {self.nbytes} bytes)"
+
+
+def _pread(fd: int, dest: memoryview, offset: int, unit: str) -> None:
+    done = 0
+    while done < len(dest):
+        n = os.preadv(fd, [dest[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(
+                f"the checkpoint ended while reading unit {unit!r} from disk (byte {offset + done}): it was "
+                "truncated or replaced while the model ran; it must stay as it was while a model streams "
+                "from it"
+            )
+        if hasattr(os, "posix_fadvise"):  # the disk tier exists because the host cannot hold these bytes
+            os.posix_fadvise(fd, offset + done, n, os.POSIX_FADV_DONTNEED)
+        done += n
+
+
+def probe_disk_link(ring: StagingRing, pack: DiskPack, destination: torch.Tensor) -> LinkModel:
+    """The speed of a disk unit's copies into ``destination`` (the arena): reads from the file into the
+    ring and the copies out of it, host clock around the whole copy, median of three."""
+    runtime = ring.runtime
+    size = min(pack.nbytes, destination.numel())
+    stream = runtime.copy_stream
+    previous = runtime.current_stream()
+    runtime.set_stream(stream)
+    times = []
+    target = destination[:size]
+    try:
+        for _ in range(3):
+            runtime.synchronize()
+            start = time.perf_counter()
+            ring.copy(target, pack.fill, stream)
+            runtime.synchronize()
+            times.append(max(time.perf_counter() - start, 1e-9))
+    finally:
+        runtime.set_stream(previous)
+    ring.copies -= 3  # probes are not the model's copies
+    ring.staged_bytes -= 3 * size
+    return LinkModel(points=((max(size, 1), size / sorted(times)[1]),))
+
+
+class DiskReadAhead:
+    """The reader thread and buffers of one model's disk units (see [Note: disk reads ahead])."""
+
+    def __init__(self, buffer_bytes: int) -> None:
+        self.buffer_bytes = buffer_bytes
+        self._free = [torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(READ_AHEAD)]
+        self._pending: dict[DiskPack, tuple[Future, torch.Tensor]] = {}
+        self._next: dict[DiskPack, DiskPack] = {}
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="flextensor-disk")
+        self.hits = 0  # copies served from a read done ahead
+        self.misses = 0  # copies that read the file on the copying thread
+
+    def plan(self, order: Sequence[DiskPack]) -> None:
+        """The disk units in the order the model streams them; reads ahead start from the first. Plan
+        time: waits for reads in flight."""
+        self._settle()
+        ahead = [p for p in order if p.nbytes <= self.buffer_bytes]
+        self._next = {p: ahead[(k + 1) % len(ahead)] for k, p in enumerate(ahead)}
+        if ahead:
+            self._start_after(ahead[-1])  # the step's first disk units
+
+    def copy(self, pack: DiskPack, ring: StagingRing, destination: torch.Tensor, stream: object) -> None:
+        pending = self._pending.pop(pack, None)
+        if pending is None:
+            self.misses += 1
+            ring.copy(destination, pack.fill, stream)
+        else:
+            future, buffer = pending
+            try:
+                future.result()  # the read's error, if it failed, is this copy's
+                ring.copy_from_host(destination, buffer[: pack.nbytes], stream)  # done with buffer on return
+            finally:
+                self._free.append(buffer)
+            self.hits += 1
+        self._start_after(pack)
+
+    def _start_after(self, pack: DiskPack) -> None:
+        """Read the units that follow ``pack`` in the order, while buffers are free."""
+        nxt = self._next.get(pack)
+        for _ in range(READ_AHEAD):
+            if nxt is None or nxt is pack or not self._free or self._pool is None:
+                return
+            if nxt not in self._pending:
+                buffer = self._free.pop()
+                future = self._pool.submit(nxt.fill, buffer[: nxt.nbytes], 0)
+                self._pending[nxt] = (future, buffer)
+            nxt = self._next.get(nxt)
+
+    def _settle(self) -> None:
+        """Wait for the reads in flight and take their buffers back."""
+        pending, self._pending = self._pending, {}
+        wait([future for future, _ in pending.values()])
+        self._free.extend(buffer for _, buffer in pending.values())
+
+    def close(self) -> None:
+        self._settle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._free = []

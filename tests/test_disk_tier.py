@@ -1,0 +1,250 @@
+"""The disk tier end to end on CPU: offload(weights=...) under a host budget too small for every pack
+streams the rest from the checkpoint file through the staging ring; outputs stay bitwise, status and
+report show the disk bytes, state_dict() and release() read the file, editing refuses, the planner times
+disk units with their own speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor
+from engine_helpers import LEARN, assert_all_equal, first_tensor, install_placement, run_forwards
+from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan_policy import input_signature
+from flextensor.planner import plan_offload
+from flextensor.staged_units import HostPlan, choose_staged
+from real_models import llama_inputs, tiny_llama
+from streaming import streaming_config
+from test_host_budget import LAYERS, budget_for
+
+LAYER_COUNT = 5  # the ring holds two units' worth: with one unit pinned, two more are on disk
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[nn.Module, torch.Tensor]:
+    model = tiny_llama(layers=LAYER_COUNT)
+    with torch.no_grad():
+        return model, first_tensor(model(llama_inputs()))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory, llama) -> Path:
+    path = tmp_path_factory.mktemp("disk") / "llama"
+    llama[0].save_pretrained(path)
+    return path
+
+
+def meta_llama(reference: nn.Module) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(reference.config).eval()
+
+
+def offload_with_disk(reference: nn.Module, saved: Path, pinned_units: int = 1) -> nn.Module:
+    model = meta_llama(reference)
+    budget = budget_for(reference, pinned_units)
+    return flextensor.offload(
+        model, streaming_config(model, LAYERS, host_memory_budget=budget), weights=saved
+    )
+
+
+def test_units_beyond_the_budget_stream_from_the_file_bitwise(saved: Path, llama) -> None:
+    reference, expected = llama
+    model = offload_with_disk(reference, saved)
+    assert_all_equal(run_forwards(model, llama_inputs(), LEARN + 3), expected)  # learning and steady state
+    status = flextensor.status(model)
+    assert status.phase == "inference"
+    assert all(u.placement == "streamed" for u in status.units)
+    on_disk = [u for u in status.units if u.on_disk]
+    assert 0 < len(on_disk) < len(status.units)  # one unit keeps its pack, the others are on disk
+    assert all(u.staged and u.host_bytes == 0 for u in on_disk)
+    assert status.disk_bytes == sum(u.nbytes for u in on_disk)
+    assert status.direct_bytes + status.staging_bytes <= status.host_budget_bytes
+    assert status.host_bytes_held == sum(u.host_bytes for u in status.units)
+    ahead, inline = status.disk_reads_ahead, status.disk_reads_inline
+    assert ahead > 0
+    # steady state: every disk unit was read ahead of its copy, and computes bitwise from that read
+    assert_all_equal(run_forwards(model, llama_inputs(), 3), expected)
+    after = flextensor.status(model)
+    assert after.disk_reads_inline == inline
+    assert after.disk_reads_ahead == ahead + 3 * len(on_disk)
+    report = flextensor.report(model)
+    assert report.disk_bytes == status.disk_bytes
+    assert "read from the checkpoint file" in str(report)
+
+
+def test_without_weights_a_small_budget_still_stages_pageable_packs(llama) -> None:
+    reference, expected = llama
+    model = tiny_llama(layers=LAYER_COUNT)
+    flextensor.offload(model, streaming_config(model, LAYERS, host_memory_budget=budget_for(reference, 1)))
+    assert_all_equal(run_forwards(model, llama_inputs(), LEARN + 1), expected)
+    status = flextensor.status(model)
+    assert status.disk_bytes == 0 and not any(u.on_disk for u in status.units)
+    assert any(u.staged for u in status.units)
+
+
+def test_state_dict_of_disk_units_is_the_checkpoint(saved: Path, llama) -> None:
+    reference, _ = llama
+    model = offload_with_disk(reference, saved)
+    run_forwards(model, llama_inputs(), LEARN + 1)
+    assert any(u.on_disk for u in flextensor.status(model).units)
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+def test_release_reads_disk_units_back(saved: Path, llama) -> None:
+    reference, expected = llama
+    model = offload_with_disk(reference, saved)
+    run_forwards(model, llama_inputs(), LEARN + 1)
+    flextensor.release(model, "cpu")
+    assert_all_equal(run_forwards(model, llama_inputs(), 1), expected)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_editing_refuses_a_model_with_disk_units(saved: Path, llama) -> None:
+    reference, expected = llama
+    model = offload_with_disk(reference, saved)
+    refused = pytest.raises(flextensor.UnsupportedOperationError, match="checkpoint file")
+    with refused, flextensor.editing(model):
+        pass
+    assert_all_equal(run_forwards(model, llama_inputs(), 2), expected)
+
+
+def test_a_saved_profile_keeps_the_disk_units_streaming_bitwise(saved: Path, llama, tmp_path: Path) -> None:
+    reference, expected = llama
+    model = offload_with_disk(reference, saved)
+    run_forwards(model, llama_inputs(), LEARN)
+    path = tmp_path / "llama.profile"
+    flextensor.save_profile(model, path)
+    plan = flextensor.status(model).plan
+    flextensor.release(model)
+    again = meta_llama(reference)
+    budget = budget_for(reference, 1)
+    config = streaming_config(again, LAYERS, host_memory_budget=budget, profile=path)
+    flextensor.offload(again, config, weights=saved)
+    assert_all_equal(run_forwards(again, llama_inputs(), 2), expected)
+    status = flextensor.status(again)
+    assert status.plan is not None and plan is not None and status.plan.staged == plan.staged
+    assert status.disk_bytes > 0 and status.forwards == 2 and status.phase == "inference"
+
+
+def test_disk_units_made_resident_are_read_from_the_file(saved: Path, llama) -> None:
+    reference, expected = llama
+    model = offload_with_disk(reference, saved)
+    inputs = llama_inputs()
+    run_forwards(model, inputs, LEARN)
+    on_disk = [u.name for u in flextensor.status(model).units if u.on_disk]
+    keep = on_disk[:2]  # placed by hand: on a CPU the tightest budget streams everything
+    install_placement(model, input_signature((inputs,), {}), keep)
+    assert_all_equal(run_forwards(model, inputs, 3), expected)
+    status = flextensor.status(model)
+    assert [u.name for u in status.units if u.placement == "resident"] == keep
+    assert all(status.unit(name).uploads == 1 and status.unit(name).on_disk for name in keep)
+    assert status.unit(keep[0]).host_bytes == 0  # uploaded from the file: no host pack was built
+
+
+def test_disk_units_are_always_staged_and_need_no_pinned_room() -> None:
+    order, nbytes = [0, 1, 2], [4096, 4096, 4096]
+    starts, compute = [0.0, 1.0, 2.0], [1.0, 1.0, 1.0]
+    staged = choose_staged(
+        order, nbytes, starts, compute, 3.0, [2, 0, 1], [0.1] * 3, 3 * 4096, frozenset({1})
+    )
+    assert staged == frozenset({1})  # the others fit the pinned capacity: only the disk unit is staged
+    staged = choose_staged(order, nbytes, starts, compute, 3.0, [2, 0, 1], [0.1] * 3, 4096, frozenset({1}))
+    assert 1 in staged and len(staged) == 2  # one more staged to fit one pack
+
+
+def test_the_planner_times_disk_units_at_the_disk_speed() -> None:
+    units = tuple(UnitMeasurement(f"u{i}", 2**20, 1e-3, 0.0) for i in range(4))
+    link = LinkModel(points=((2**20, 10e9),))
+    measurements = Measurements(units=units, link=link, baseline_bytes=0, activation_peak_bytes=0, tail_s=0.0)
+    staged_link = LinkModel(points=((2**20, 5e9),))
+    slow_disk = LinkModel(points=((2**20, 0.01e9),))  # 100 ms a unit: far slower than the compute
+    fast = HostPlan(10 * 2**20, staged_link)
+    slow = HostPlan(10 * 2**20, staged_link, disk_units=frozenset({"u1", "u2"}), disk_link=slow_disk)
+    budget = 3 * 2**20
+    plan_fast = plan_offload(measurements, budget, fast)
+    plan_slow = plan_offload(measurements, budget, slow)
+    assert set(plan_slow.staged) >= {"u1", "u2"} & set(plan_slow.streamed)
+    assert plan_slow.predicted_step_s > plan_fast.predicted_step_s
+
+
+# -- host memory -------------------------------------------------------------------------------------------
+
+RSS_LAYERS, RSS_IN, RSS_OUT = 24, 1024, 1024  # 24 units of 4 MiB: 96 MiB of float32 weights
+
+_RSS_CHILD = """
+import sys, threading, time
+import psutil, torch
+from torch import nn
+import flextensor
+
+with torch.device("meta"):
+    model = nn.Sequential(*[nn.Linear({n_in}, {n_out}, bias=False) for _ in range({layers})]).eval()
+process = psutil.Process()
+x = torch.randn(1, {n_in})
+peak = before = process.memory_info().rss
+done = False
+
+def sample():
+    global peak
+    while not done:
+        peak = max(peak, process.memory_info().rss)
+        time.sleep(0.002)
+
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+config = flextensor.OffloadConfig(device="cpu", gpu_memory_budget="8MiB", host_memory_budget="16MiB")
+flextensor.offload(model, config, weights=sys.argv[1])
+with torch.no_grad():
+    for _ in range({forwards}):
+        model(x)
+done = True
+sampler.join()
+peak = max(peak, process.memory_info().rss)
+status = flextensor.status(model)
+assert status.phase == "inference" and status.disk_bytes > 0, status
+print(peak - before)
+"""
+
+
+def test_host_memory_stays_below_the_weights(tmp_path: Path) -> None:
+    """Offloaded from a checkpoint under a small host budget, the model runs with far less host RAM than
+    its weights: most units stay in the file, and streaming them holds only the ring and the reader's
+    buffers."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    state = {f"{i}.weight": torch.randn(RSS_OUT, RSS_IN) for i in range(RSS_LAYERS)}
+    weights = sum(t.numel() * t.element_size() for t in state.values())
+    save_file(state, str(tmp_path / "big.safetensors"))
+    del state
+    child = _RSS_CHILD.format(layers=RSS_LAYERS, n_in=RSS_IN, n_out=RSS_OUT, forwards=LEARN + 2)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "FT_PROGRESS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(child), str(tmp_path / "big.safetensors")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    growth = int(result.stdout.strip().splitlines()[-1])
+    print(f"RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights")
+    assert growth <= weights / 2, (
+        f"RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
+    )
