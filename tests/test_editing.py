@@ -172,6 +172,26 @@ def test_an_edit_inside_editing_survives_every_reload_of_its_unit() -> None:
     )
 
 
+def test_a_refused_nested_editing_leaves_the_open_one_and_every_later_forward_right() -> None:
+    """The inner with-block is refused before it changes anything; the outer one's edit is kept, and
+    nothing the refusal did reaches the host packs (it once pointed the weights back at the arena, so the
+    outer block's write-back copied the arena's bytes into every pack)."""
+    x = llama_inputs()
+    plain = tiny_llama()
+    with torch.no_grad():
+        plain.model.layers[0].mlp.down_proj.weight.mul_(3)
+    expected = run_forwards(plain, x, 1)[0]
+    model = offloaded_llama()
+    with flextensor.editing(model), torch.no_grad():
+        refused = pytest.raises(flextensor.UnsupportedOperationError, match="already open")
+        with refused, flextensor.editing(model):
+            pass
+        model.model.layers[0].mlp.down_proj.weight.mul_(3)
+    outs = run_forwards(model, x, LEARN + 2)
+    assert_streams_everything(model)
+    assert all(torch.equal(out, expected) for out in outs)
+
+
 def test_load_state_dict_inside_editing_writes_the_offloaded_weights() -> None:
     x = llama_inputs()
     other = tiny_llama(seed=3)

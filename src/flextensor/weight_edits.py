@@ -237,8 +237,9 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
     sessions: list[EditSession] = []
     try:
         for engine in engines:
-            sessions.append(EditSession(engine))
-            sessions[-1].begin()
+            session = EditSession(engine)
+            session.begin()  # a refused or failed begin changed nothing: no end() for it
+            sessions.append(session)
         yield model
     finally:
         errors = []
