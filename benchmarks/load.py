@@ -11,8 +11,9 @@ Per run it prints and writes (``--result``, JSON): ``ours``: model built on the 
 ``offload(model, OffloadConfig(device=...), weights=FILE)`` timed (it returns while the units are still
 read, see docs/loading.md), then forwards until steady state (``ready_s`` = build + offload + those
 forwards) and one steady step;
-``ours_host:SIZE[@GPU]``: the same under ``host_memory_budget=SIZE`` (and ``gpu_memory_budget=GPU``): what does not fit streams from the file
-(the disk tier); its steady step is the median of three, with the bytes read from disk per step;
+``ours_host:SIZE[@GPU]``: the same under ``host_memory_budget=SIZE`` (and ``gpu_memory_budget=GPU``):
+what does not fit streams from the file (the disk tier); its steady step is the median of three, with the
+bytes kept on disk;
 ``native``: ``load_file`` + ``load_state_dict(assign=True)`` + ``.to(device)``, then two forwards
 (``ready_s`` = all of it). Both: host RSS peak (anonymous and file-backed split), GPU memory peak. With
 ``--cold``, the disk's sequential read speed is measured too (one reader, 64 MiB reads, pages dropped
@@ -194,7 +195,8 @@ def _summary(r: dict[str, Any], nbytes: int) -> str:
     if r["method"].startswith("ours_host"):
         return (
             f"{r['method']}: ready {r['ready_s']:.2f} s, steady step {r['steady_step_s']:.3f} s "
-            f"(steps {', '.join(f'{s:.3f}' for s in r['steady_steps_s'])}), {r['disk_bytes'] / GB:.2f} GB on disk "
+            f"(steps {', '.join(f'{s:.3f}' for s in r['steady_steps_s'])}), "
+            f"{r['disk_bytes'] / GB:.2f} GB on disk "
             f"(reads ahead {r['disk_reads_ahead']}, inline {r['disk_reads_inline']}), "
             f"{r['host_pinned_bytes'] / GB:.2f} GB pinned, {r['streamed_bytes'] / GB:.2f} GB streamed; {rss}"
         )
