@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -67,10 +68,10 @@ def _host_times(model: nn.Module, x: torch.Tensor, device: torch.device, n: int)
     return times
 
 
-def _tightest_budget(model: nn.Module, config_fields: dict, x: torch.Tensor) -> int:
-    """The smallest budget the planner accepts for ``model``: profile it once, ask the planner."""
-    import tempfile
-
+def _tightest_budget(model: nn.Module, config_fields: dict, x: torch.Tensor, path: str) -> int:
+    """The smallest budget the planner accepts for ``model``: profile it once, save the profile to ``path``
+    (the timed run starts from it: a second profiling may measure a few activation bytes more, and the
+    budget would then be just short), ask the planner."""
     import flextensor
     from flextensor.planner import minimal_need_bytes
 
@@ -83,10 +84,8 @@ def _tightest_budget(model: nn.Module, config_fields: dict, x: torch.Tensor) -> 
     with torch.no_grad():
         while flextensor.phase(model) != "inference":
             model(x)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "p.json")
-        flextensor.save_profile(model, path)
-        need, _ = minimal_need_bytes(load_profile_file(path).measurements)
+    flextensor.save_profile(model, path)
+    need, _ = minimal_need_bytes(load_profile_file(path).measurements)
     flextensor.release(model)
     return need
 
@@ -103,11 +102,14 @@ def per_unit_overhead(device: torch.device, units: int, hidden: int) -> dict[str
     native_s = statistics.median(_host_times(native, x, device, TIMED_FORWARDS))
     model = native.cpu()
     fields = {"include_patterns": ["layers.*"], "device": str(device)}
-    budget = _tightest_budget(model, fields, x)
-    flextensor.offload(model, flextensor.OffloadConfig(gpu_memory_budget=budget, **fields))
-    with torch.no_grad():
-        while flextensor.phase(model) != "inference":
-            model(x)
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = os.path.join(tmp, "profile.json")
+        budget = _tightest_budget(model, fields, x, profile)
+        config = flextensor.OffloadConfig(gpu_memory_budget=budget, profile=profile, **fields)
+        flextensor.offload(model, config)
+        with torch.no_grad():
+            while flextensor.phase(model) != "inference":
+                model(x)
     _host_times(model, x, device, 5)
     offloaded_s = statistics.median(_host_times(model, x, device, TIMED_FORWARDS))
     if PROFILE_HOST:

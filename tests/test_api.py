@@ -212,3 +212,29 @@ def test_offload_from_a_profile_rolls_back_after_the_plan_dropped_packs(
     assert _no_hooks_left(other)
     with pytest.raises(NotOffloadedError):
         flextensor.status(other)
+
+
+@pytest.mark.parametrize("host_budget", [False, True], ids=["pinned", "staged"])
+def test_a_released_model_is_freed_as_soon_as_its_last_reference_goes(host_budget: bool) -> None:
+    """No reference cycle keeps a released model (and, on a GPU, whatever it was moved to) alive until the
+    garbage collector happens to run: the next model's memory would otherwise count both."""
+    import gc
+    import weakref
+
+    from real_models import llama_inputs, tiny_llama
+    from test_host_budget import LAYERS, budget_for
+
+    model = tiny_llama(layers=4)
+    fields = {"host_memory_budget": budget_for(model, pinned_units=1)} if host_budget else {}
+    flextensor.offload(model, streaming_config(model, LAYERS, **fields))
+    run_forwards(model, llama_inputs(), LEARN + 2)
+    engine = weakref.ref(flextensor.api.engine_of(model))
+    model.state_dict()
+    flextensor.release(model)
+    released = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert released() is None and engine() is None
+    finally:
+        gc.enable()

@@ -84,8 +84,14 @@ class OffloadEngine:
         self.graphs = GraphCaptures(self.runtime, type(model).__name__)
         self.step: Any = self._outside  # what the unit hooks call (see hooks.py)
         self.learning = Learning(config.discovery_forwards, config.profiling_forwards)
+        left_the_stream = weakref.WeakMethod(self._weight_left_the_stream)  # no cycle: see ModelHooks
         self.weights = StreamedWeights(
-            model, self.units, self.owner_of, resident_reasons, self.store, self._weight_left_the_stream
+            model,
+            self.units,
+            self.owner_of,
+            resident_reasons,
+            self.store,
+            lambda: _call_if_alive(left_the_stream),
         )
         self.policy = PlanPolicy(self.runtime, target.budget_bytes)
         self._record_next = False
@@ -500,3 +506,9 @@ class OffloadEngine:
             f"OffloadEngine({type(self.model).__name__}, phase={self.phase.value}, units={len(self.units)}, "
             f"streamed={streamed}, device={self.runtime.device})"
         )
+
+
+def _call_if_alive(method: weakref.WeakMethod) -> None:
+    bound = method()
+    if bound is not None:
+        bound()
