@@ -19,6 +19,12 @@ bytes kept on disk;
 ``--cold``, the disk's sequential read speed is measured too (one reader, 64 MiB reads, pages dropped
 before and as read). The file is the benchmark suite's weight cache (``FLEXTENSOR_BENCH_CACHE``), built
 first in a process of its own when missing. Nothing here is imported by flextensor.
+
+``--touch-host-memory GIB`` first maps and touches that much host memory, twice, and prints both rates.
+The H200 machine is a virtual machine whose RAM is backed on its first touch, at about 2 GB/s: until its
+memory has been touched once, every process that allocates fresh memory (our packs; not native, which
+reads the page cache in place) pays that, which a bare-metal host does not. The second pass shows the rate
+once backed.
 """
 
 from __future__ import annotations
@@ -62,6 +68,32 @@ def read_through(path: Path, drop: bool) -> float:
     finally:
         os.close(fd)
     return total / GB / (time.perf_counter() - t0)
+
+
+def touch_host_memory(nbytes: int) -> tuple[float, float]:
+    """Map ``nbytes`` of anonymous memory in 1 GiB pieces and populate them for writing, then unmap; twice.
+    GB/s of each pass (see the module's note on ``--touch-host-memory``)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    populate_write = 23  # MADV_POPULATE_WRITE, Linux 5.14
+    piece = 2**30
+    rates = []
+    for _ in range(2):
+        maps = []
+        t0 = time.perf_counter()
+        for _ in range(nbytes // piece):
+            m = mmap.mmap(-1, piece)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            if libc.madvise(address, piece, populate_write) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
+            maps.append(m)
+        rates.append(len(maps) * piece / GB / max(time.perf_counter() - t0, 1e-9))
+        for m in maps:
+            m.close()
+    return rates[0], rates[1]
 
 
 # -- the measured process ---------------------------------------------------------------------------------
@@ -219,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="ours,native")
     p.add_argument("--cold", action="store_true", help="drop the file's pages before each run")
     p.add_argument("--result", help="write every record here (JSON)")
+    p.add_argument("--touch-host-memory", type=float, default=0, metavar="GIB", help="see the module's note")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--file", help=argparse.SUPPRESS)
     p.add_argument("--child-result", help=argparse.SUPPRESS)
@@ -232,6 +265,19 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = path.stat().st_size
         print(f"{args.workload}: {path} ({nbytes / GB:.2f} GB), {'cold' if args.cold else 'warm'} page cache")
         records: dict[str, Any] = {"workload": args.workload, "file_bytes": nbytes, "cold": args.cold}
+        if args.touch_host_memory:  # in a process of its own: a child inherits its parent's peak RSS
+            touch = [
+                sys.executable,
+                "-c",
+                "import benchmarks.load as b; "
+                f"print(*b.touch_host_memory({int(args.touch_host_memory * 2**30)}))",
+            ]
+            first, again = map(
+                float,
+                subprocess.run(touch, check=True, capture_output=True, text=True, timeout=600).stdout.split(),
+            )
+            records["host_first_touch_GBps"], records["host_touch_again_GBps"] = first, again
+            print(f"host memory touched: {first:.1f} GB/s the first time, {again:.1f} GB/s again")
         if args.cold:
             drop_file_pages(path)
             records["disk_read_GBps"] = read_through(path, drop=True)

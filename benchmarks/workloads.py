@@ -253,8 +253,15 @@ WORKLOADS: dict[str, Workload] = {
             kind="wan_pipeline",
             model_kwargs=_wan22_pipeline_kwargs(tiny=False),
             unit="",  # a pipeline's own default units: each component's repeated blocks
-            shape={"height": 480, "width": 832, "num_frames": 81, "steps": 4, "guidance": 4.0,
-                   "guidance_2": 3.0, "text_len": 512},
+            shape={
+                "height": 480,
+                "width": 832,
+                "num_frames": 81,
+                "steps": 4,
+                "guidance": 4.0,
+                "guidance_2": 3.0,
+                "text_len": 512,
+            },
             description="Wan2.2-T2V-A14B pipeline at its real config (two 40-block experts, UMT5-XXL, Wan "
             "VAE; 69 GB bf16), one generation of 81 frames at 832x480, guidance on, 4 steps (2 per "
             "expert), VAE decode",
@@ -307,8 +314,15 @@ WORKLOADS: dict[str, Workload] = {
             kind="wan_pipeline",
             model_kwargs=_wan22_pipeline_kwargs(tiny=True),
             unit="",
-            shape={"height": 16, "width": 16, "num_frames": 1, "steps": 4, "guidance": 4.0,
-                   "guidance_2": 3.0, "text_len": 8},
+            shape={
+                "height": 16,
+                "width": 16,
+                "num_frames": 1,
+                "steps": 4,
+                "guidance": 4.0,
+                "guidance_2": 3.0,
+                "text_len": 8,
+            },
             description="tiny two-expert Wan2.2 pipeline, CPU smoke",
             methods=("native", "ours", "ours_budget:600KiB", "diffusers_group", "diffusers_model_offload"),
             tiny=True,

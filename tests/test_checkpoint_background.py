@@ -119,3 +119,40 @@ def test_a_failed_offload_waits_for_its_reads_before_it_frees_their_memory(
     after = dict(model.named_parameters()) | dict(model.named_buffers())
     assert all(after[name] is tensor for name, tensor in before.items())
     assert all(t.device.type == "meta" for t in after.values())
+
+
+def test_a_pin_the_system_refuses_leaves_the_unit_readable_and_pageable(
+    saved, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Readers page-lock their packs when the budget holds them all; a refusal (WSL2's or a cgroup's cap
+    below the budget) logs a warning and the pack is read pageable, as the host budget's own pinning does,
+    instead of failing every use of the unit."""
+    from flextensor.errors import PinningError
+    from flextensor.host_store import UnitPack
+
+    path, reference, _ = saved
+    model = meta_llama(reference)
+    load = checkpoint.plan_checkpoint_load(model, path)
+    params = dict(model.named_parameters())
+    units = [
+        (f"model.layers.{i}", [(n, p) for n, p in params.items() if n.startswith(f"model.layers.{i}.")])
+        for i in range(2)
+    ]
+
+    def refuse(pack: UnitPack) -> None:
+        raise PinningError(f"could not page-lock unit {pack.unit!r} (test)")
+
+    monkeypatch.setattr(UnitPack, "pin", refuse)
+    with caplog.at_level("WARNING", logger="flextensor"):
+        packs, _ = checkpoint.read_checkpoint(
+            load, units, [], pin=True, device=torch.device("cpu"), advance=lambda n: None
+        )
+        for pack in packs:
+            pack.wait_read()
+    state = reference.state_dict()
+    for pack, (_, named) in zip(packs, units, strict=True):
+        assert not pack.pinned
+        for entry, (name, _) in zip(pack.entries, named, strict=True):
+            assert torch.equal(pack.view(entry), state[name]), name
+        pack.free()
+    assert "copied from pageable memory" in caplog.text

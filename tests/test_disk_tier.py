@@ -9,19 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import flextensor
 from engine_helpers import LEARN, assert_all_equal, first_tensor, install_placement, run_forwards
+from flextensor.disk_tier import READ_AHEAD, plan_disk_tier
 from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
 from flextensor.plan_policy import input_signature
 from flextensor.planner import plan_offload
-from flextensor.staged_units import HostPlan, choose_staged
+from flextensor.staged_units import HostPlan, choose_staged, pack_bytes
+from flextensor.staging import staging_layout
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 from test_host_budget import LAYERS, budget_for
 
-LAYER_COUNT = 5  # the ring holds two units' worth: with one unit pinned, two more are on disk
+LAYER_COUNT = 7  # with the ring, the read-ahead buffers and one unit pinned, the others are on disk
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +49,16 @@ def meta_llama(reference: nn.Module) -> nn.Module:
         return LlamaForCausalLM(reference.config).eval()
 
 
-def offload_with_disk(reference: nn.Module, saved: Path, pinned_units: int = 1) -> nn.Module:
+def disk_budget_for(reference: nn.Module, pinned_units: int) -> int:
+    """A host budget that holds the staging ring, the disk reader's buffers and ``pinned_units`` packs."""
+    return budget_for(reference, pinned_units + READ_AHEAD)
+
+
+def offload_with_disk(
+    reference: nn.Module, saved: Path, pinned_units: int = 1, budget: int | None = None
+) -> nn.Module:
     model = meta_llama(reference)
-    budget = budget_for(reference, pinned_units)
+    budget = disk_budget_for(reference, pinned_units) if budget is None else budget
     return flextensor.offload(
         model, streaming_config(model, LAYERS, host_memory_budget=budget), weights=saved
     )
@@ -64,7 +75,8 @@ def test_units_beyond_the_budget_stream_from_the_file_bitwise(saved: Path, llama
     assert 0 < len(on_disk) < len(status.units)  # one unit keeps its pack, the others are on disk
     assert all(u.staged and u.host_bytes == 0 for u in on_disk)
     assert status.disk_bytes == sum(u.nbytes for u in on_disk)
-    assert status.direct_bytes + status.staging_bytes <= status.host_budget_bytes
+    assert status.read_ahead_bytes == READ_AHEAD * max(u.nbytes for u in status.units)
+    assert status.direct_bytes + status.staging_bytes + status.read_ahead_bytes <= status.host_budget_bytes
     assert status.host_bytes_held == sum(u.host_bytes for u in status.units)
     ahead, inline = status.disk_reads_ahead, status.disk_reads_inline
     assert ahead > 0
@@ -75,7 +87,58 @@ def test_units_beyond_the_budget_stream_from_the_file_bitwise(saved: Path, llama
     assert after.disk_reads_ahead == ahead + 3 * len(on_disk)
     report = flextensor.report(model)
     assert report.disk_bytes == status.disk_bytes
-    assert "read from the checkpoint file" in str(report)
+    assert report.read_ahead_bytes == status.read_ahead_bytes
+    assert "read from the checkpoint file through" in str(report)
+
+
+def test_a_budget_too_small_for_the_read_ahead_buffers_keeps_packs_and_reads_inline(
+    saved: Path, llama
+) -> None:
+    """Beside the ring, the budget holds one unit, not two read-ahead buffers: there are none, that unit
+    keeps its pack, every disk unit is read when its copy is issued, and outputs stay bitwise."""
+    reference, expected = llama
+    model = offload_with_disk(reference, saved, budget=budget_for(reference, 1))
+    assert_all_equal(run_forwards(model, llama_inputs(), LEARN + 2), expected)
+    status = flextensor.status(model)
+    assert status.read_ahead_bytes == 0 and status.direct_bytes > 0
+    assert sum(u.on_disk for u in status.units) == len(status.units) - 1
+    assert status.disk_reads_ahead == 0 and status.disk_reads_inline > 0
+    assert status.direct_bytes + status.staging_bytes <= status.host_budget_bytes
+
+
+MiB = 2**20
+
+
+def test_plan_disk_tier_at_its_edges() -> None:
+    sizes = [4 * MiB] * 6
+    slot, slots = staging_layout(4 * MiB)
+    ring = slot * slots
+    assert plan_disk_tier(sizes, None) == (frozenset(), 0)
+    assert plan_disk_tier(sizes, 24 * MiB) == (frozenset(), 0)  # every pack fits: no ring, no disk
+    assert plan_disk_tier(sizes, ring - 1) == (frozenset(), 0)  # not even the ring (start raises)
+    assert plan_disk_tier(sizes, ring + 4 * MiB) == (frozenset({1, 2, 3, 4, 5}), 0)  # no room for buffers
+    assert plan_disk_tier(sizes, ring + 12 * MiB) == (frozenset({1, 2, 3, 4, 5}), 4 * MiB)
+    # the buffers hold the largest unit left on disk, not the largest of all
+    slot, slots = staging_layout(12 * MiB)
+    disk, buffer = plan_disk_tier([12 * MiB] + [2 * MiB] * 40, slot * slots + 40 * MiB)
+    assert 0 not in disk and buffer == 2 * MiB
+    assert len(disk) == 28  # 40 MiB: buffers 2 x 2, the large unit, 12 small ones (2 with 12 MiB buffers)
+
+
+@given(
+    st.lists(st.integers(1, 64 * MiB), min_size=1, max_size=24),
+    st.integers(0, 2**31),
+)
+@settings(max_examples=300, deadline=None)
+def test_plan_disk_tier_stays_within_the_budget(sizes: list[int], budget: int) -> None:
+    disk, buffer = plan_disk_tier(sizes, budget)
+    if not disk:
+        assert buffer == 0
+        return
+    slot, slots = staging_layout(max(sizes))
+    kept = sum(pack_bytes(n) for i, n in enumerate(sizes) if i not in disk)
+    assert slot * slots + READ_AHEAD * buffer + kept <= budget
+    assert buffer == 0 or buffer == max(sizes[i] for i in disk)
 
 
 def test_without_weights_a_small_budget_still_stages_pageable_packs(llama) -> None:
@@ -126,7 +189,7 @@ def test_a_saved_profile_keeps_the_disk_units_streaming_bitwise(saved: Path, lla
     plan = flextensor.status(model).plan
     flextensor.release(model)
     again = meta_llama(reference)
-    budget = budget_for(reference, 1)
+    budget = disk_budget_for(reference, 1)
     config = streaming_config(again, LAYERS, host_memory_budget=budget, profile=path)
     flextensor.offload(again, config, weights=saved)
     assert_all_equal(run_forwards(again, llama_inputs(), 2), expected)

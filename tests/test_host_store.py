@@ -36,6 +36,27 @@ def test_host_memory_held_is_within_two_percent_of_weights() -> None:
     assert weight_bytes <= held <= 1.02 * weight_bytes
 
 
+def test_fault_in_maps_a_fresh_pack_and_leaves_it_zero() -> None:
+    """A fresh pack's pages are mapped before it is page-locked or read into (see [Note: fault pages in
+    before page-locking]): the process's resident memory grows by the pack's size, its bytes stay zero,
+    and the weights viewing it do not look edited."""
+    psutil = pytest.importorskip("psutil")
+    process = psutil.Process()
+    nbytes = 64 * 2**20
+    entries, _ = pack_layout([("w", torch.empty(nbytes // 4))])
+    pack = UnitPack("u", entries, nbytes, pin=False)
+    weight = pack.unread_view(entries[0])  # what a parameter views while its pack is read
+    version = weight._version
+    before = process.memory_info().rss
+    pack.fault_in()
+    grown = process.memory_info().rss - before
+    assert grown >= 0.9 * nbytes, f"{grown} of {nbytes} bytes mapped"
+    assert int(pack.buffer.count_nonzero()) == 0
+    # not an edit: the engine reads a changed version counter as weights changed outside editing()
+    assert weight._version == version
+    pack.free()
+
+
 def test_packed_views_share_one_buffer_per_unit() -> None:
     torch.manual_seed(0)
     named = [("w", nn.Parameter(torch.randn(8, 8))), ("b", nn.Parameter(torch.randn(8)))]

@@ -46,8 +46,9 @@ import torch
 from torch import nn
 
 from .checkpoint_files import Checkpoint, CheckpointTensor, open_checkpoint
-from .errors import CheckpointError
+from .errors import CheckpointError, PinningError
 from .host_store import PackedParameter, UnitPack, pack_layout
+from .staged_units import pack_bytes
 
 __all__ = ["CheckpointLoad", "plan_checkpoint_load"]
 
@@ -241,6 +242,8 @@ def read_checkpoint(
 ) -> tuple[list[UnitPack], dict[int, torch.Tensor]]:
     """Read every ``resident`` tensor onto ``device``, and start reading every unit into a new pack, but
     those a ``host_budget_bytes`` cannot hold, which stay on disk (see [Note: disk tier] in disk_tier.py).
+    With ``pin``, the readers page-lock the packs when the budget holds them all (else the host budget
+    decides which are, see host_budget.py).
 
     Returns the packs (in ``units`` order), whose reads go on in the background (see [Note: reading while
     the model runs]), and id(resident tensor) -> its value on ``device``, all read. On a failure before it
@@ -254,6 +257,8 @@ def read_checkpoint(
     try:
         layouts = [unit_layout(load, named) for _, named in units]
         disk = choose_disk_units([nbytes for _, nbytes in layouts], host_budget_bytes)
+        held = sum(pack_bytes(nbytes) for _, nbytes in layouts)
+        pin = pin and (host_budget_bytes is None or held <= host_budget_bytes)
         files = CheckpointFiles(sorted({s.file for s in load.sources.values()})) if disk else None
         for index, ((name, named), (entries, nbytes)) in enumerate(zip(units, layouts, strict=True)):
             if index in disk:
@@ -337,12 +342,16 @@ def _read_unit(
     device: torch.device,
 ) -> None:
     try:
+        pack.fault_in()  # nothing has written it yet (see [Note: fault pages in before page-locking])
         if pin:
             if device.type == "cuda":
                 # Page-locking registers the memory with the calling thread's current device; a pool
                 # thread starts on device 0, whatever the target.
                 torch.cuda.set_device(device)
-            pack.pin()
+            try:
+                pack.pin()
+            except PinningError as refused:  # the system allows less than the budget (WSL2, cgroups)
+                logger.warning("%s; unit %s is copied from pageable memory", refused, pack.unit)
         if pack.nbytes:
             dest = memoryview(pack.unread_buffer.numpy())
             for entry, (_, param) in zip(pack.entries, named, strict=True):

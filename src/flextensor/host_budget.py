@@ -28,7 +28,7 @@ import torch
 
 from .bandwidth import probe_link
 from .device import DeviceRuntime, Target
-from .disk_tier import READ_AHEAD, DiskReadAhead
+from .disk_tier import DiskReadAhead, plan_disk_tier
 from .errors import ConfigError, HostBudgetError, PinningError
 from .measurements import LinkModel
 from .sizes import format_bytes
@@ -90,10 +90,16 @@ class HostBudget:
 
     @property
     def capacity(self) -> int | None:
-        """Bytes of packs that may be direct (pinned): the budget less the ring; None: no bound."""
+        """Bytes of packs that may be direct (pinned): the budget less the ring and the disk read-ahead
+        buffers; None: no bound."""
         if self.budget_bytes is None or self.ring is None:
             return None
-        return self.budget_bytes - self.ring.nbytes
+        return self.budget_bytes - self.ring.nbytes - self.read_ahead_bytes
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """Host bytes of the disk units' read-ahead buffers (pageable; see disk_tier.py)."""
+        return 0 if self.read_ahead is None else self.read_ahead.nbytes
 
     def start(self, units: Sequence[Unit]) -> None:
         """At offload(), packs built unpinned: set up the ring if the packs do not all fit the budget, then
@@ -101,12 +107,10 @@ class HostBudget:
         when the budget cannot hold even the ring."""
         total = sum(_held(u) for u in units)
         on_disk = [u for u in units if u.pack is not None and u.pack.disk]
-        if self.budget_bytes is None:
-            # Packs still being read from a checkpoint are pinned by their readers, in the background.
+        if self.budget_bytes is None or (total <= self.budget_bytes and not on_disk):
+            # Packs still being read from a checkpoint are pinned by their readers, in the background
+            # (read_checkpoint gives them the same rule: no budget, or one that holds every pack).
             self._pin_in_parallel([u for u in units if u.pack is None or u.pack.read])
-            return
-        if total <= self.budget_bytes and not on_disk:
-            self._pin_in_parallel(units)
             return
         slot, slots = staging_layout(max(u.nbytes for u in units))
         ring_bytes = slot * slots
@@ -119,10 +123,11 @@ class HostBudget:
             )
         self.ring = StagingRing(slot, slots, self.runtime, self.pin)
         if on_disk:
-            self.read_ahead = DiskReadAhead(ring_bytes // READ_AHEAD)
+            _, buffer_bytes = plan_disk_tier([u.nbytes for u in units], self.budget_bytes)  # as at reading
+            self.read_ahead = DiskReadAhead(buffer_bytes)
             for unit in on_disk:
                 unit.pack.read_ahead = self.read_ahead  # type: ignore[union-attr]
-        room = self.budget_bytes - ring_bytes
+        room = self.budget_bytes - ring_bytes - self.read_ahead_bytes
         direct = []
         for unit in units:  # in module order while they fit: no plan says which matter yet
             if unit in on_disk:  # streams from the checkpoint through the ring (see disk_tier.py)
@@ -136,7 +141,7 @@ class HostBudget:
         staged = [u for u in units if u.staging is not None and u not in on_disk]
         logger.info(
             "host budget %s: %d unit(s) pinned (%s), %d staged through a %s ring (%s), %d read from the "
-            "checkpoint through it (%s)",
+            "checkpoint through it (%s) and %s of read-ahead buffers",
             format_bytes(self.budget_bytes),
             len(units) - len(staged) - len(on_disk),
             format_bytes(self.direct_bytes(units)),
@@ -145,6 +150,7 @@ class HostBudget:
             format_bytes(sum(_held(u) for u in staged)),
             len(on_disk),
             format_bytes(sum(u.nbytes for u in on_disk)),
+            format_bytes(self.read_ahead_bytes),
         )
 
     def direct_bytes(self, units: Sequence[Unit]) -> int:

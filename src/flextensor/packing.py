@@ -106,10 +106,11 @@ class Packing:
 
     @property
     def pins_while_packing(self) -> bool:
-        """Whether packs read from a checkpoint or shared between processes are page-locked as they are
-        built: under a host budget they are built pageable and the budget pins those that fit (see [Note:
-        host budget] in host_budget.py). Private packs of a model with weights are always built pageable
-        and pinned afterwards, several at once (host_budget.PIN_THREADS)."""
+        """Whether packs shared between processes are page-locked as they are built: under a host budget
+        they are built pageable and the budget pins those that fit (see [Note: host budget] in
+        host_budget.py). Private packs of a model with weights are always built pageable and pinned
+        afterwards, several at once (host_budget.PIN_THREADS); packs read from a checkpoint are pinned by
+        their readers when the budget holds them all (see read_checkpoint)."""
         return self.target.pin and self.target.host_budget_bytes is None
 
     def on_undo(self, callback: Callable[[], None]) -> None:
@@ -175,7 +176,7 @@ class Packing:
                 weights,
                 named_units,
                 list(resident.values()),
-                self.pins_while_packing,
+                self.target.pin,
                 device,
                 bar.advance,
                 self.target.host_budget_bytes,

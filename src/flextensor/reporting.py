@@ -80,7 +80,8 @@ class Report:
     and ``host_pageable_bytes`` not; ``staging_bytes`` is the pinned staging ring the pageable packs are
     copied through (included in ``host_pinned_bytes``, not in ``host_bytes_held``), and
     ``host_budget_bytes`` the host budget in force (see docs/host-memory.md); ``disk_bytes`` the weights
-    streamed from the checkpoint file, with no host pack (the disk tier, not in ``host_bytes_held``).
+    streamed from the checkpoint file, with no host pack (the disk tier, not in ``host_bytes_held``), and
+    ``read_ahead_bytes`` the pageable buffers they are read into ahead of their copies.
     """
 
     model: str
@@ -108,6 +109,7 @@ class Report:
     staging_bytes: int = 0
     host_budget_bytes: int | None = None
     disk_bytes: int = 0
+    read_ahead_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain JSON-ready data; each unit also gets ``placement`` and ``slot`` strings."""
@@ -213,6 +215,8 @@ class Report:
             host += f"; host budget {format_bytes(self.host_budget_bytes)}"
         if self.disk_bytes:
             host += f"; {format_bytes(self.disk_bytes)} read from the checkpoint file"
+            if self.read_ahead_bytes:
+                host += f" through {format_bytes(self.read_ahead_bytes)} of read-ahead buffers"
         grid.add_row("host", host)
         budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         if self.peak_allocated_bytes is None:
@@ -391,4 +395,5 @@ def report(model: nn.Module) -> Report | PipelineReport:
         staging_bytes=engine.store.staging_bytes(),
         host_budget_bytes=engine.store.host.budget_bytes,
         disk_bytes=engine.store.disk_bytes(),
+        read_ahead_bytes=engine.store.host.read_ahead_bytes,
     )

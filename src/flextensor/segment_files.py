@@ -50,7 +50,6 @@ class SegmentLayout:
     key: bytes
 
 
-
 def mark_ready(segment: mmap.mmap) -> None:
     """Set the header's state to READY: the creator has packed every unit."""
     segment[_STATE_OFFSET : _STATE_OFFSET + 4] = struct.pack("<I", _READY)

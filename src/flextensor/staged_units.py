@@ -34,8 +34,9 @@ __all__ = ["HostPlan", "choose_staged"]
 @dataclass(frozen=True)
 class HostPlan:
     """What the host budget leaves the planner: ``capacity_bytes`` of packs may be pinned (the budget
-    less the staging ring); the others copy at ``staged_link``'s speed. ``disk_units`` have no host pack
-    (see [Note: disk tier] in disk_tier.py): always staged, they copy at ``disk_link``'s speed."""
+    less the staging ring and the disk read-ahead buffers); the others copy at ``staged_link``'s speed.
+    ``disk_units`` have no host pack (see [Note: disk tier] in disk_tier.py): always staged, they copy at
+    ``disk_link``'s speed."""
 
     capacity_bytes: int
     staged_link: LinkModel

@@ -52,11 +52,12 @@ class OffloadStatus:
     device storage; ``layouts``: device layouts made (plans applied, profiling layouts).
     ``host_pinned_bytes``: host bytes page-locked for the weights (pinned packs and the staging ring; 0 on
     a CPU); ``staging_bytes``: the staging ring's bytes (0 without one); ``host_budget_bytes``: the host
-    budget in force (None: none); ``direct_bytes``: bytes of the packs copied straight to the device, which
-    with the ring are what the host budget bounds (on CUDA, what is pinned); ``disk_bytes``: bytes of the
-    units streamed from the checkpoint file, with no host pack (the disk tier); of their copies,
-    ``disk_reads_ahead`` were read by the disk reader ahead of time and ``disk_reads_inline`` on the
-    copying thread (see docs/host-memory.md).
+    budget in force (None: none); ``direct_bytes``: bytes of the packs copied straight to the device (on
+    CUDA, the packs pinned); ``disk_bytes``: bytes of the units streamed from the checkpoint file, with no
+    host pack (the disk tier); of their copies, ``disk_reads_ahead`` were read by the disk reader ahead of
+    time and ``disk_reads_inline`` on the copying thread; ``read_ahead_bytes``: the reader's pageable
+    buffers. The host budget bounds ``direct_bytes``, the ring and the read-ahead buffers together (see
+    docs/host-memory.md).
     """
 
     model: str
@@ -81,6 +82,7 @@ class OffloadStatus:
     disk_bytes: int = 0
     disk_reads_ahead: int = 0
     disk_reads_inline: int = 0
+    read_ahead_bytes: int = 0
 
     def unit(self, name: str) -> UnitStatus:
         """The status of the unit ``name`` (SelectionError if it is not an offload unit)."""
@@ -146,4 +148,5 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
         disk_bytes=engine.store.disk_bytes(),
         disk_reads_ahead=0 if reader is None else reader.hits,
         disk_reads_inline=0 if reader is None else reader.misses,
+        read_ahead_bytes=engine.store.host.read_ahead_bytes,
     )
