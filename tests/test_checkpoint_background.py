@@ -77,6 +77,28 @@ def test_offload_returns_before_the_units_are_read_and_the_first_forward_waits_f
     assert all(u.placement == "streamed" for u in flextensor.status(model).units)
 
 
+def test_offload_reads_the_weights_kept_on_the_device_before_the_units(
+    monkeypatch: pytest.MonkeyPatch, saved
+) -> None:
+    """With one reading thread and a unit's read held back, offload() still returns: the embeddings, norm
+    and head it waits for are read before the units, not queued behind them."""
+    path, reference, expected = saved
+    monkeypatch.setattr(checkpoint, "READ_THREADS", 1)
+    gate, started = threading.Event(), threading.Event()
+    gate_reads(monkeypatch, gate, started)
+    returned: list[nn.Module] = []
+    offloading = threading.Thread(target=lambda: returned.append(offload_meta(reference, path)))
+    offloading.start()
+    offloading.join(30)
+    try:
+        assert returned, "offload() waited for a unit's read"
+        assert started.is_set() and not gate.is_set()
+    finally:
+        gate.set()
+        offloading.join()
+    assert_all_equal(run_forwards(returned[0], llama_inputs(), LEARN + 1), expected)
+
+
 def test_a_failed_read_fails_every_use_of_its_unit_and_nothing_computes_with_unread_bytes(
     monkeypatch: pytest.MonkeyPatch, saved
 ) -> None:

@@ -267,7 +267,10 @@ def read_checkpoint(
                 packs.append(DiskPack(name, entries, nbytes, sources, files))
             else:
                 packs.append(UnitPack(name, entries, nbytes, pin=False))  # locked by its reader
-        # The largest first: the link probe copies from it as soon as offload() has laid out.
+        # What offload() waits for goes first: the tensors kept on the device, then the largest unit (the
+        # link probe copies from it as soon as offload() has laid out); then the units in module order.
+        # Queued behind the units, the resident reads made offload() wait for nearly the whole file.
+        values = {id(t): reads.submit(_read_tensor, load, reads.fds, t, device) for t in resident}
         host = [i for i in range(len(units)) if i not in disk]
         order = sorted(host, key=lambda i: -packs[i].nbytes)[:1]
         order += [i for i in host if i not in order]
@@ -275,7 +278,6 @@ def read_checkpoint(
             named = units[index][1]
             pack = packs[index]
             pack.read_in_background(reads.submit(_read_unit, load, reads.fds, pack, named, pin, device))
-        values = {id(t): reads.submit(_read_tensor, load, reads.fds, t, device) for t in resident}
         for tensor in resident:
             values[id(tensor)] = values[id(tensor)].result()
             advance(load.source_of(tensor).nbytes)
