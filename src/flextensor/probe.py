@@ -2,10 +2,10 @@
 
 Measures, at each requested size, host-to-device and device-to-host copies from pinned and from pageable
 host memory (median of a few copies, timed with CUDA events), and how fast host memory can be page-locked:
-``cudaHostRegister`` on a fresh anonymous mapping, the way ``flextensor.offload`` pins each unit, and
-the same from several threads at once (as ``offload(weights=...)`` pins, a unit per reading thread), and
-``torch.Tensor.pin_memory()``. Streaming speed is bounded by the first; the time ``offload()`` spends
-before the first forward, by the second.
+``cudaHostRegister`` on a fresh anonymous mapping, alone and after a zero is written into each page (the
+way ``flextensor.offload`` pins each unit), the latter from several threads at once too (as
+``offload(weights=...)`` pins, a unit per reading thread), and ``torch.Tensor.pin_memory()``. Streaming
+speed is bounded by the copies; the time ``offload()`` spends before the first forward, by the pinning.
 
 Needs CUDA; importing this module does not touch it.
 """
@@ -228,8 +228,10 @@ def measure_staged_copy(
     return CopyMeasurement("host_to_device", False, nbytes, statistics.median(times))
 
 
-def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasurement:
-    """Median time to ``cudaHostRegister`` a fresh anonymous mapping of ``nbytes``, as offload() pins.
+def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS, fault_in: bool = True) -> PinMeasurement:
+    """Median time to pin a fresh anonymous mapping of ``nbytes``: with ``fault_in``, a zero written into
+    each page and then ``cudaHostRegister``, as offload() pins a pack (see [Note: fault pages in before
+    page-locking] in host_store.py); without, ``cudaHostRegister`` on the unmapped pages alone.
 
     Each repeat maps new memory (huge pages advised, as flextensor's host store does), so page population
     is part of the time, as it is when offload() pins a unit.
@@ -246,6 +248,8 @@ def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasure
             mapping.madvise(mmap.MADV_HUGEPAGE)
         buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
         begin = time.perf_counter()
+        if fault_in:
+            buffer[:: mmap.PAGESIZE].zero_()
         err = int(cudart.cudaHostRegister(buffer.data_ptr(), size, 0))
         elapsed = time.perf_counter() - begin
         if err != 0:
@@ -259,13 +263,16 @@ def measure_host_register(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasure
         del buffer
         _close(mapping)
         times.append(elapsed)
-    return PinMeasurement("cudaHostRegister (as offload pins)", size, statistics.median(times))
+    method = (
+        "fault in + cudaHostRegister (as offload pins)" if fault_in else "cudaHostRegister, pages unmapped"
+    )
+    return PinMeasurement(method, size, statistics.median(times))
 
 
 def measure_parallel_host_register(nbytes: int, threads: int, repeats: int = PIN_REPEATS) -> PinMeasurement:
-    """Median wall time to ``cudaHostRegister`` ``threads`` fresh mappings of ``nbytes`` each, all at once
-    from ``threads`` threads: how ``offload(weights=...)`` pins, a unit per reading thread. Set against
-    :func:`measure_host_register` it says whether the driver registers in parallel."""
+    """Median wall time to fault in and ``cudaHostRegister`` ``threads`` fresh mappings of ``nbytes`` each,
+    all at once from ``threads`` threads: how ``offload(weights=...)`` pins, a unit per reading thread.
+    Set against :func:`measure_host_register` it says whether pinning runs in parallel."""
     import torch
 
     _cuda_device("cuda")
@@ -283,7 +290,7 @@ def measure_parallel_host_register(nbytes: int, threads: int, repeats: int = PIN
             times.append(time.perf_counter() - begin)
     size = -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
     return PinMeasurement(
-        f"cudaHostRegister, {threads} threads at once", size * threads, statistics.median(times)
+        f"fault in + cudaHostRegister, {threads} threads at once", size * threads, statistics.median(times)
     )
 
 
@@ -351,6 +358,7 @@ def run_probe(
             staged.append(measure_staged_copy(dev, size, repeats))
             bar.advance(1)
         with torch.cuda.device(dev):
+            pinning.append(measure_host_register(sizes[-1], fault_in=False))
             pinning.append(measure_host_register(sizes[-1]))
             bar.advance(1)
             pinning.append(measure_parallel_host_register(sizes[-1], READ_THREADS))
