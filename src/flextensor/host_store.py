@@ -9,12 +9,14 @@ Packing goes unit by unit and drops the parameter's original storage as soon as 
 ``offload()`` never holds two full copies of the model.
 
 [Note: fault pages in before page-locking]
-``cudaHostRegister`` on memory the kernel has not mapped yet maps it page by page itself, serialised, at
-about 2 GB/s whatever the number of threads; a ``preadv`` into such memory runs at about 5 GB/s. Writing
-one zero per page from user space maps the same memory at 19 GB/s (47 GB/s with huge pages), after which
-registration runs at 18-35 GB/s and reads at 27 GB/s (H200 host, 2026-12-04). So a fresh pack is
-faulted in (:meth:`UnitPack.fault_in`) before it is page-locked or read into: a pack's page-locking went
-from about 2 to about 20 GB/s. Only memory nothing has written yet may be faulted in this way.
+``cudaHostRegister`` on memory the kernel has not mapped yet maps it itself, page by page: about 2 GB/s
+whatever the number of threads, as slow as the kernel's other ways to populate memory (MAP_POPULATE,
+MADV_POPULATE_WRITE: 2-10 GB/s); a ``preadv`` into such memory runs at about 5 GB/s. Writing one zero per
+page from user space maps it at 19 GB/s (47 GB/s with huge pages), after which registration runs at
+18-35 GB/s and reads at 27 GB/s (H200 host, 2026-12-04; a VM, whose first touch of its RAM costs more
+still). So a fresh pack is faulted in (:meth:`UnitPack.fault_in`) before it is page-locked or read into
+(with this and the readers pinning in the background, wan20's warm ``offload(weights=)`` went from 6.8 to
+1.7 s). Only memory nothing has written yet may be faulted in this way.
 
 With ``share_host_memory`` the packs are instead byte ranges of one segment that every process of the
 node maps (see [Note: shared host store] in shared_store.py): a pack then views memory it does not own,
