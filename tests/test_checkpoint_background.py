@@ -161,7 +161,7 @@ def test_a_pin_the_system_refuses_leaves_the_unit_readable_and_pageable(
         for i in range(2)
     ]
 
-    def refuse(pack: UnitPack) -> None:
+    def refuse(pack: UnitPack, by_reader: bool = False) -> None:
         raise PinningError(f"could not page-lock unit {pack.unit!r} (test)")
 
     monkeypatch.setattr(UnitPack, "pin", refuse)

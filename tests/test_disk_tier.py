@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import flextensor
+import flextensor.checkpoint as checkpoint
 from engine_helpers import LEARN, assert_all_equal, first_tensor, install_placement, run_forwards
 from flextensor.disk_tier import READ_AHEAD, plan_disk_tier
 from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
@@ -311,3 +312,84 @@ def test_host_memory_stays_below_the_weights(tmp_path: Path) -> None:
     assert growth <= weights / 2, (
         f"RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
     )
+
+
+class _Locks:
+    """Stands in for page-locking on a CPU: records which packs were locked and unlocked."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import flextensor.host_store as host_store
+
+        self.locked: list[int] = []
+        self.unlocked: list[int] = []
+        monkeypatch.setattr(
+            host_store, "page_lock", lambda buffer, n, what: self.locked.append(buffer.data_ptr())
+        )
+
+        def unlock_later(owner: object, mapping: object, pointer: int):
+            return lambda: self.unlocked.append(pointer)
+
+        monkeypatch.setattr(host_store, "unlock_when_gone", unlock_later)
+
+
+def _units(model: nn.Module, count: int) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    params = dict(model.named_parameters())
+    return [
+        (f"model.layers.{i}", [(n, p) for n, p in params.items() if n.startswith(f"model.layers.{i}.")])
+        for i in range(count)
+    ]
+
+
+def test_a_pack_unpinned_before_its_reader_pins_it_stays_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host budget may stage a pack (unpin it) before its reader got to it; the reader's late pin must
+    not lock memory the budget no longer counts."""
+    from flextensor.host_store import UnitPack
+
+    locks = _Locks(monkeypatch)
+    pack = UnitPack("u", (), 8192, pin=False)
+    pack.reader_pins = True
+    pack.unpin()  # staged by the budget first
+    pack.pin(by_reader=True)
+    assert not pack.pinned and locks.locked == []
+    pack.pin()  # the budget's own pin still works
+    assert pack.pinned and len(locks.locked) == 1
+    pack.unpin()
+    assert not pack.pinned and len(locks.unlocked) == 1
+    pack.free()
+
+
+def test_readers_pin_the_packs_a_budget_keeps_beside_the_disk_units(
+    saved: Path, llama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a host budget that leaves units on disk, every pack it keeps is direct: the readers pin them
+    in the background, the disk units get none; a budget too small for the ring pins nothing."""
+    reference, _ = llama
+    locks = _Locks(monkeypatch)
+    model = meta_llama(reference)
+    load = checkpoint.plan_checkpoint_load(model, saved)
+    units = _units(model, LAYER_COUNT)
+    budget = disk_budget_for(reference, 1)  # the ring, the read-ahead buffers, one pack; the rest on disk
+    packs, _ = checkpoint.read_checkpoint(
+        load,
+        units,
+        [],
+        pin=True,
+        device=torch.device("cpu"),
+        advance=lambda n: None,
+        host_budget_bytes=budget,
+    )
+    for pack in packs:
+        pack.wait_read()
+    kept = [p for p in packs if not p.disk]
+    assert len(kept) == 1 and all(p.pinned and p.reader_pins for p in kept)
+    assert len(locks.locked) == len(kept)
+    for pack in packs:
+        pack.free()
+    # too small for the ring: nothing is pinned (HostBudget.start raises its error)
+    packs, _ = checkpoint.read_checkpoint(
+        load, units, [], pin=True, device=torch.device("cpu"), advance=lambda n: None, host_budget_bytes=1
+    )
+    for pack in packs:
+        pack.wait_read()
+        assert not pack.pinned
+        pack.free()

@@ -242,8 +242,9 @@ def read_checkpoint(
 ) -> tuple[list[UnitPack], dict[int, torch.Tensor]]:
     """Read every ``resident`` tensor onto ``device``, and start reading every unit into a new pack, but
     those a ``host_budget_bytes`` cannot hold, which stay on disk (see [Note: disk tier] in disk_tier.py).
-    With ``pin``, the readers page-lock the packs when the budget holds them all (else the host budget
-    decides which are, see host_budget.py).
+    With ``pin``, the readers page-lock the packs (``UnitPack.reader_pins``) when the budget holds them
+    all, or when the units it cannot hold stay on disk (every pack then fits beside the ring and the
+    read-ahead buffers); a budget too small for the ring pins nothing (HostBudget.start raises).
 
     Returns the packs (in ``units`` order), whose reads go on in the background (see [Note: reading while
     the model runs]), and id(resident tensor) -> its value on ``device``, all read. On a failure before it
@@ -258,7 +259,7 @@ def read_checkpoint(
         layouts = [unit_layout(load, named) for _, named in units]
         disk = choose_disk_units([nbytes for _, nbytes in layouts], host_budget_bytes)
         held = sum(pack_bytes(nbytes) for _, nbytes in layouts)
-        pin = pin and (host_budget_bytes is None or held <= host_budget_bytes)
+        pin = pin and (host_budget_bytes is None or held <= host_budget_bytes or bool(disk))
         files = CheckpointFiles(sorted({s.file for s in load.sources.values()})) if disk else None
         for index, ((name, named), (entries, nbytes)) in enumerate(zip(units, layouts, strict=True)):
             if index in disk:
@@ -267,6 +268,7 @@ def read_checkpoint(
                 packs.append(DiskPack(name, entries, nbytes, sources, files))
             else:
                 packs.append(UnitPack(name, entries, nbytes, pin=False))  # locked by its reader
+                packs[-1].reader_pins = pin
         # What offload() waits for goes first: the tensors kept on the device, then the largest unit (the
         # link probe copies from it as soon as offload() has laid out); then the units in module order.
         # Queued behind the units, the resident reads made offload() wait for nearly the whole file.
@@ -351,7 +353,7 @@ def _read_unit(
                 # thread starts on device 0, whatever the target.
                 torch.cuda.set_device(device)
             try:
-                pack.pin()
+                pack.pin(by_reader=True)
             except PinningError as refused:  # the system allows less than the budget (WSL2, cgroups)
                 logger.warning("%s; unit %s is copied from pageable memory", refused, pack.unit)
         if pack.nbytes:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -149,6 +150,7 @@ class DiskPack(UnitPack):
         self.entries = entries
         self.nbytes = nbytes
         self.pinned = False
+        self._pin_lock = threading.Lock()
         self._reading = None
         self._owner = None
         self._owner_offset = 0

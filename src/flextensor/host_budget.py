@@ -109,7 +109,7 @@ class HostBudget:
         on_disk = [u for u in units if u.pack is not None and u.pack.disk]
         if self.budget_bytes is None or (total <= self.budget_bytes and not on_disk):
             # Packs still being read from a checkpoint are pinned by their readers, in the background
-            # (read_checkpoint gives them the same rule: no budget, or one that holds every pack).
+            # (see read_checkpoint for when its readers pin).
             self._pin_in_parallel([u for u in units if u.pack is None or u.pack.read])
             return
         slot, slots = staging_layout(max(u.nbytes for u in units))
@@ -137,7 +137,8 @@ class HostBudget:
                 direct.append(unit)
             else:
                 self._stage(unit)
-        self._pin_in_parallel(direct)
+        # Packs still being read are pinned by their readers (every pack not on disk is direct).
+        self._pin_in_parallel([u for u in direct if u.pack is None or u.pack.read])
         staged = [u for u in units if u.staging is not None and u not in on_disk]
         logger.info(
             "host budget %s: %d unit(s) pinned (%s), %d staged through a %s ring (%s), %d read from the "

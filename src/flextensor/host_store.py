@@ -166,6 +166,7 @@ class UnitPack:
     """
 
     disk = False  # a DiskPack (disk_tier.py) holds no host memory: its bytes stay in the checkpoint file
+    reader_pins = False  # its checkpoint reader page-locks it, unless unpinned first (see pin())
 
     def __init__(self, unit: str, entries: tuple[PackedParameter, ...], nbytes: int, pin: bool) -> None:
         self.unit = unit
@@ -258,22 +259,27 @@ class UnitPack:
             # that the parameters viewing it share, which the engine reads as an edit of the weights.
             torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)[::PAGE].zero_()
 
-    def pin(self) -> None:
+    def pin(self, by_reader: bool = False) -> None:
         """Page-lock this pack's own memory (the host budget decides which packs are; a pack read from a
-        checkpoint is locked by its reader); no-op if pinned."""
+        checkpoint is locked by its reader); no-op if pinned. ``by_reader``: the checkpoint reader's call,
+        a no-op unless ``reader_pins`` still holds: the host budget may have staged the pack (unpinned
+        it) before its reader got to it, and a late pin would hold locked memory beyond the budget."""
         with self._pin_lock:  # a checkpoint's reader and the host budget may both pin a pack being read
-            if self.pinned or self._mmap is None:
+            if self.pinned or self._mmap is None or (by_reader and not self.reader_pins):
                 return
             page_lock(self._buffer, self._held, f"unit {self.unit!r}")
             self._unlock = unlock_when_gone(self, self._mmap, self._buffer.data_ptr())
             self.pinned = True
 
     def unpin(self) -> None:
-        """Page-unlock this pack's own memory (no copy may be reading it); no-op if not pinned by it."""
-        if self._unlock is not None:
-            self._unlock()
-            self._unlock = None
-            self.pinned = False
+        """Page-unlock this pack's own memory (no copy may be reading it); no-op if not pinned by it. Its
+        reader, if it is still being read, no longer pins it."""
+        with self._pin_lock:
+            self.reader_pins = False
+            if self._unlock is not None:
+                self._unlock()
+                self._unlock = None
+                self.pinned = False
 
     @property
     def owner(self) -> PackOwner | None:

@@ -110,7 +110,7 @@ class Packing:
         they are built pageable and the budget pins those that fit (see [Note: host budget] in
         host_budget.py). Private packs of a model with weights are always built pageable and pinned
         afterwards, several at once (host_budget.PIN_THREADS); packs read from a checkpoint are pinned by
-        their readers when the budget holds them all (see read_checkpoint)."""
+        their readers unless the budget stages some (see read_checkpoint)."""
         return self.target.pin and self.target.host_budget_bytes is None
 
     def on_undo(self, callback: Callable[[], None]) -> None:
