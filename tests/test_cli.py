@@ -71,6 +71,34 @@ def test_plan_range_table_shows_infeasible_rows(
     assert "below" in out  # 40 KiB cannot hold two layers: the BudgetError's reason is in its row
 
 
+def test_plan_times_staged_copies_as_the_host_budget_did(
+    profile_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A profile saved under a host budget plans offline as the run did: with no room to pin, every
+    streamed unit is staged at the slower staged speed, and the predicted step is longer."""
+    import dataclasses
+
+    from flextensor.measurements import LinkModel
+    from flextensor.planner import plan_offload
+    from flextensor.profile_file import load_profile_file, save_profile_file
+    from flextensor.staged_units import HostPlan
+
+    profile = load_profile_file(profile_path)
+    slow = LinkModel(points=((1 << 20, 1e6),))  # 1 MB/s: staged copies dominate the step
+    staged = dataclasses.replace(profile, host=HostPlan(capacity_bytes=0, staged_link=slow))
+    path = tmp_path / "staged.json"
+    save_profile_file(staged, path)
+    budget = 100 * 1024
+    assert main(["plan", str(path), "--budget", "100KiB"]) == 0
+    out = capsys.readouterr().out
+    expected = plan_offload(staged.measurements, budget, staged.host)
+    assert expected.staged and f"{expected.predicted_step_s * 1e3:.2f} ms" in out
+    pinned = plan_offload(profile.measurements, budget)
+    assert expected.predicted_step_s > pinned.predicted_step_s
+    assert main(["profile", "show", str(path)]) == 0
+    assert "host budget" in capsys.readouterr().out
+
+
 def test_parse_budget() -> None:
     assert parse_budget("none") == [None]
     assert parse_budget("8GiB") == [8 * 2**30]

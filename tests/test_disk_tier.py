@@ -187,6 +187,11 @@ def test_a_saved_profile_keeps_the_disk_units_streaming_bitwise(saved: Path, lla
     run_forwards(model, llama_inputs(), LEARN)
     path = tmp_path / "llama.profile"
     flextensor.save_profile(model, path)
+    from flextensor.profile_file import load_profile_file
+
+    host = load_profile_file(path).host  # `flextensor plan` then times the disk units as this run did
+    on_disk = {u.name for u in flextensor.status(model).units if u.on_disk}
+    assert host is not None and host.disk_units == on_disk and host.disk_link is not None
     plan = flextensor.status(model).plan
     flextensor.release(model)
     again = meta_llama(reference)

@@ -869,3 +869,23 @@ def test_random_text_damage_raises_only_profile_error(cut: int, at: int, char: s
             except ProfileError:
                 continue
             assert isinstance(loaded, Profile)
+
+
+def test_a_host_plan_round_trips_and_is_left_out_without_a_host_budget(tmp_path: Path) -> None:
+    """A profile made under a host budget keeps what the budget left the planner (pinned capacity, staged
+    and disk copy speeds, disk units); one without writes no ``host`` key, as before."""
+    from flextensor.staged_units import HostPlan
+
+    host = HostPlan(
+        capacity_bytes=1 << 20,
+        staged_link=LinkModel(points=((1 << 20, 1.2e10),)),
+        disk_units=frozenset({"layers.2", "layers.3"}),
+        disk_link=LinkModel(points=((1 << 20, 1.5e9),)),
+    )
+    with_host = dataclasses.replace(PROFILE, host=host)
+    path = tmp_path / "p.json"
+    save_profile_file(with_host, path)
+    assert load_profile_file(path).host == host
+    save_profile_file(PROFILE, path)
+    assert "host" not in json.loads(path.read_text(encoding="utf-8"))
+    assert load_profile_file(path).host is None

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .measurements import Measurements
     from .plan import Plan
     from .profile_file import Profile
+    from .staged_units import HostPlan
 
 __all__ = ["build_parser", "main"]
 
@@ -116,7 +117,7 @@ def _cmd_profile_show(args: argparse.Namespace) -> int:
     console.print()
     console.print(_plan_summary(profile.plan, profile.measurements, title="plan"))
     console.print()
-    console.print(_measurement_summary(profile.measurements))
+    console.print(_measurement_summary(profile.measurements, profile.host))
 
     placement = {u: "resident" for u in profile.plan.resident}
     placement.update({u: "streamed" for u in profile.plan.streamed})
@@ -188,7 +189,7 @@ def _versus(plan: Plan, measurements: Measurements) -> str:
     return f" ({ratio:.2f}x the {measurements.compute_s * 1e3:.2f} ms with every weight resident)"
 
 
-def _measurement_summary(measurements: Measurements) -> Any:
+def _measurement_summary(measurements: Measurements, host: HostPlan | None = None) -> Any:
     from .reporting import format_speed
 
     grid = _grid("measurements")
@@ -200,6 +201,13 @@ def _measurement_summary(measurements: Measurements) -> Any:
     if measurements.link.latency_s:
         link += f", {measurements.link.latency_s * 1e6:.1f} us per copy"
     grid.add_row("link", link)
+    if host is not None:  # made under a host budget: what it left the planner
+        line = f"{format_bytes(host.capacity_bytes)} of packs pinned at most, the rest staged at "
+        line += format_speed(host.staged_link.points[-1][1])
+        if host.disk_units and host.disk_link is not None:
+            disk = format_speed(host.disk_link.points[-1][1])
+            line += f"; {len(host.disk_units)} unit(s) read from disk at {disk}"
+        grid.add_row("host budget", line)
     return grid
 
 
@@ -215,7 +223,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     measurements = profile.measurements
     console = _console()
     if len(budgets) == 1:
-        plan = plan_offload(measurements, budgets[0])  # BudgetError: one line, status 2
+        plan = plan_offload(measurements, budgets[0], profile.host)  # BudgetError: one line, status 2
         console.print(_plan_summary(plan, measurements, title=f"plan for {args.path}"))
         console.print()
         console.print(_simulated_units(plan, measurements))
@@ -277,7 +285,7 @@ def _budget_table(profile: Profile, budgets: list[int | None]) -> Any:
     for budget in budgets:
         label = "none" if budget is None else format_bytes(budget)
         try:
-            plan = plan_offload(measurements, budget)
+            plan = plan_offload(measurements, budget, profile.host)
         except BudgetError as e:
             table.add_row(label, "-", "-", "-", "-", "-", "-", f"[red]{e}[/]")
             continue

@@ -11,7 +11,7 @@ it. The layout is::
 
     {"format": "flextensor-profile", "version": 1, "flextensor_version": ..., "created_at": ...,
      "fingerprint": {...}, "order": [...], "unit_parameters": {...}, "resident_parameters": [...],
-     "measurements": {...}, "plan": {...}}
+     "measurements": {...}, "plan": {...}, "host": {...}}   # "host" only under a host budget
 
 The records (Fingerprint, Measurements, UnitMeasurement, LinkModel, Plan) are written as objects with
 one key per field, in field order, by the codec in json_codec.py (pydantic), so a field added to ``Plan``
@@ -53,6 +53,7 @@ from .json_codec import (
 from .layout import minimal_arena_bytes
 from .measurements import Measurements
 from .plan import Plan
+from .staged_units import HostPlan
 
 __all__ = [
     "PIPELINE_PROFILE_FORMAT",
@@ -124,6 +125,9 @@ class Profile:
     ``order``: offload units in execution order. ``unit_parameters``: unit -> the parameter FQNs it
     streams. ``resident_parameters``: parameters that stay on the device, including those found read
     outside their unit. ``created_at``: ISO 8601 time in UTC. ``flextensor_version``: the writer's version.
+    ``host``: what a host budget left the planner when the plan was made (the pinned capacity, the staged
+    and disk copy speeds, the disk units), so that ``flextensor plan`` times staged copies as the run
+    did; None without a host budget.
     """
 
     fingerprint: Fingerprint
@@ -134,6 +138,7 @@ class Profile:
     plan: Plan
     created_at: str
     flextensor_version: str
+    host: HostPlan | None = None
 
 
 class Compatibility(enum.Enum):
@@ -248,6 +253,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     for key in _TOP_LEVEL_FIRST:
         out[key] = body.pop(key)
     out.update(body)  # the remaining fields, in Profile's field order
+    if out.get("host") is None:
+        del out["host"]  # without a host budget the file stays what older versions read
     return out
 
 

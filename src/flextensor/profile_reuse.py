@@ -79,6 +79,7 @@ def snapshot_profile(engine: OffloadEngine) -> Profile:
         plan=entry.plan,
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         flextensor_version=__version__,
+        host=engine.policy.host,
     )
 
 

@@ -25,12 +25,14 @@ import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .json_codec import Bytes, record
 from .measurements import LinkModel
 from .sizes import align_up
 
 __all__ = ["HostPlan", "choose_staged"]
 
 
+@record
 @dataclass(frozen=True)
 class HostPlan:
     """What the host budget leaves the planner: ``capacity_bytes`` of packs may be pinned (the budget
@@ -38,7 +40,7 @@ class HostPlan:
     ``disk_units`` have no host pack (see [Note: disk tier] in disk_tier.py): always staged, they copy at
     ``disk_link``'s speed."""
 
-    capacity_bytes: int
+    capacity_bytes: Bytes
     staged_link: LinkModel
     disk_units: frozenset[str] = frozenset()
     disk_link: LinkModel | None = None
