@@ -879,13 +879,14 @@ def test_a_host_plan_round_trips_and_is_left_out_without_a_host_budget(tmp_path:
     host = HostPlan(
         capacity_bytes=1 << 20,
         staged_link=LinkModel(points=((1 << 20, 1.2e10),)),
-        disk_units=frozenset({"layers.2", "layers.3"}),
+        disk_units=frozenset({"layers.3", "layers.2"}),
         disk_link=LinkModel(points=((1 << 20, 1.5e9),)),
     )
     with_host = dataclasses.replace(PROFILE, host=host)
     path = tmp_path / "p.json"
     save_profile_file(with_host, path)
     assert load_profile_file(path).host == host
+    assert json.loads(path.read_text(encoding="utf-8"))["host"]["disk_units"] == ["layers.2", "layers.3"]
     save_profile_file(PROFILE, path)
     assert "host" not in json.loads(path.read_text(encoding="utf-8"))
     assert load_profile_file(path).host is None

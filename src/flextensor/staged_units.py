@@ -24,6 +24,9 @@ from __future__ import annotations
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import PlainSerializer
 
 from .json_codec import Bytes, record
 from .measurements import LinkModel
@@ -42,7 +45,8 @@ class HostPlan:
 
     capacity_bytes: Bytes
     staged_link: LinkModel
-    disk_units: frozenset[str] = frozenset()
+    # written sorted: a set's order changes from run to run, and a saved profile's bytes must not
+    disk_units: Annotated[frozenset[str], PlainSerializer(sorted, return_type=list[str])] = frozenset()
     disk_link: LinkModel | None = None
 
 
