@@ -16,6 +16,7 @@ per unit should not grow with the number of units.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -90,46 +91,82 @@ def _tightest_budget(model: nn.Module, config_fields: dict, x: torch.Tensor, pat
     return need
 
 
-def per_unit_overhead(device: torch.device, units: int, hidden: int) -> dict[str, float]:
+ROUNDS = 7
+"""Rounds of timed forwards; each round times every variant once, so drifts of the host hit them alike."""
+
+
+def _offloaded_copy(model: nn.Module, x: torch.Tensor, device: torch.device, plain: bool) -> nn.Module:
+    """``model`` offloaded under the tightest budget and brought to steady state; ``plain``: with the
+    plain steady step (torch's calls) instead of the direct runtime calls."""
+    import flextensor
+    import flextensor.device
+
+    model = copy.deepcopy(model)
+    fields = {"include_patterns": ["layers.*"], "device": str(device)}
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = os.path.join(tmp, "profile.json")
+        budget = _tightest_budget(model, fields, x, profile)
+        config = flextensor.OffloadConfig(gpu_memory_budget=budget, profile=profile, **fields)
+        runtime = flextensor.device.DeviceRuntime
+        direct_calls = getattr(runtime, "direct_calls", None)
+        if plain and direct_calls is not None:
+            runtime.direct_calls = lambda self: None  # type: ignore[method-assign]
+        try:
+            flextensor.offload(model, config)
+        finally:
+            if direct_calls is not None:
+                runtime.direct_calls = direct_calls  # type: ignore[method-assign]
+        with torch.no_grad():
+            while flextensor.phase(model) != "inference":
+                model(x)
+    return model
+
+
+def per_unit_overhead(device: torch.device, units: int, hidden: int, compare_plain: bool) -> dict[str, float]:
     import flextensor
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Stack(units, hidden).to(dtype).eval()
     x = torch.randn(1, hidden, dtype=dtype, device=device)
-    native = model.to(device)
-    _host_times(native, x, device, 5)
-    native_s = statistics.median(_host_times(native, x, device, TIMED_FORWARDS))
-    model = native.cpu()
-    fields = {"include_patterns": ["layers.*"], "device": str(device)}
-    with tempfile.TemporaryDirectory() as tmp:
-        profile = os.path.join(tmp, "profile.json")
-        budget = _tightest_budget(model, fields, x, profile)
-        config = flextensor.OffloadConfig(gpu_memory_budget=budget, profile=profile, **fields)
-        flextensor.offload(model, config)
-        with torch.no_grad():
-            while flextensor.phase(model) != "inference":
-                model(x)
-    _host_times(model, x, device, 5)
-    offloaded_s = statistics.median(_host_times(model, x, device, TIMED_FORWARDS))
+    variants = {
+        "native": copy.deepcopy(model).to(device),
+        "offloaded": _offloaded_copy(model, x, device, plain=False),
+    }
+    if compare_plain:
+        variants["plain"] = _offloaded_copy(model, x, device, plain=True)
+    for variant in variants.values():
+        _host_times(variant, x, device, 5)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(ROUNDS):
+        for name, variant in variants.items():
+            times[name].extend(_host_times(variant, x, device, TIMED_FORWARDS // ROUNDS + 1))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    offloaded = variants["offloaded"]
     if PROFILE_HOST:
         import cProfile
         import pstats
 
         profiler = cProfile.Profile()
         profiler.enable()
-        _host_times(model, x, device, 20)
+        _host_times(offloaded, x, device, 20)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
-    streamed = sum(1 for row in flextensor.report(model).units if not row.resident)
-    flextensor.release(model)
-    return {
+    streamed = sum(1 for row in flextensor.report(offloaded).units if not row.resident)
+    row = {
         "units": units,
         "streamed": streamed,
-        "native_host_ms": native_s * 1e3,
-        "offloaded_host_ms": offloaded_s * 1e3,
-        "per_unit_us": (offloaded_s - native_s) / max(streamed, 1) * 1e6,
+        "native_host_ms": medians["native"] * 1e3,
+        "offloaded_host_ms": medians["offloaded"] * 1e3,
+        "per_unit_us": (medians["offloaded"] - medians["native"]) / max(streamed, 1) * 1e6,
     }
+    if compare_plain:
+        row["plain_host_ms"] = medians["plain"] * 1e3
+        row["plain_per_unit_us"] = (medians["plain"] - medians["native"]) / max(streamed, 1) * 1e6
+    for name in variants:
+        if name != "native":
+            flextensor.release(variants[name])
+    return row
 
 
 def _rss_bytes() -> int:
@@ -185,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--profile", action="store_true", help="cProfile 20 steady offloaded forwards")
+    parser.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also time the plain steady step (torch's calls, not the direct runtime calls), interleaved",
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -193,12 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     global PROFILE_HOST
     PROFILE_HOST = args.profile
     device = torch.device(args.device)
-    row = per_unit_overhead(device, args.units, args.hidden)
+    row = per_unit_overhead(device, args.units, args.hidden, args.compare_plain)
     print(
         f"per-unit host overhead on {device}: {row['per_unit_us']:.1f} us per streamed unit "
         f"({row['streamed']} of {row['units']} streamed; host enqueue {row['native_host_ms']:.2f} ms "
         f"native, {row['offloaded_host_ms']:.2f} ms offloaded)"
     )
+    if "plain_per_unit_us" in row:
+        print(
+            f"plain steady step (torch's calls): {row['plain_per_unit_us']:.1f} us per streamed unit "
+            f"(host enqueue {row['plain_host_ms']:.2f} ms)"
+        )
     if not args.skip_scaling:
         rows = scaling(args.device)
         print(f"{'units':>8} {'offload s':>10} {'3 fwd s':>9} {'RSS MiB':>9} {'us/unit':>9} {'KiB/unit':>9}")

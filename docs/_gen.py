@@ -75,6 +75,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "ConcurrentForwardError",
             "BackwardNotSupportedError",
             "NoCudaError",
+            "DeviceError",
         ],
     ),
     ("Version", ["__version__"]),

@@ -229,7 +229,7 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop("FT_LOG_LEVEL", None)
     return subprocess.run(
-        [sys.executable, "-m", "flextensor.cli", *argv],
+        [sys.executable, "-m", "flextensor", *argv],  # python -m flextensor: __main__.py
         capture_output=True,
         text=True,
         env=env,

@@ -92,6 +92,22 @@ def test_units_beyond_the_budget_stream_from_the_file_bitwise(saved: Path, llama
     assert "read from the checkpoint file through" in str(report)
 
 
+def test_reads_ahead_split_in_pieces_land_where_they_belong(
+    saved: Path, llama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each unit read ahead in many small pieces, by several threads at once, computes bitwise."""
+    import flextensor.disk_tier as disk_tier
+
+    monkeypatch.setattr(disk_tier, "READ_CHUNK", 4096 + 512)  # pieces that straddle the tensors' ends
+    reference, expected = llama
+    model = offload_with_disk(reference, saved)
+    assert_all_equal(run_forwards(model, llama_inputs(), LEARN + 3), expected)
+    status = flextensor.status(model)
+    assert min(u.nbytes for u in status.units if u.on_disk) > 4 * disk_tier.READ_CHUNK
+    assert status.disk_reads_ahead > 0
+    flextensor.release(model)
+
+
 def test_a_budget_too_small_for_the_read_ahead_buffers_keeps_packs_and_reads_inline(
     saved: Path, llama
 ) -> None:

@@ -8,6 +8,8 @@ work is synchronous. Nothing here touches CUDA until a target for a CUDA device 
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cudart_calls import CudartCalls
 from .errors import ConfigError, PlanError
 
 if TYPE_CHECKING:
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DeviceRuntime",
+    "HostCalls",
     "HostEvent",
     "HostStream",
     "Target",
@@ -67,6 +71,8 @@ class HostStream:
 
     __slots__ = ()
 
+    cuda_stream = 0  # the handle the direct calls take (HostCalls ignores it)
+
     def wait_event(self, event: Any) -> None:
         return None
 
@@ -78,6 +84,29 @@ class HostStream:
 
     def __repr__(self) -> str:
         return "HostStream()"
+
+
+logger = logging.getLogger("flextensor")
+
+
+class HostCalls:
+    """CPU stand-in for :class:`CudartCalls`: a record reads the host clock, a wait is nothing (CPU work is
+    already ordered), a copy is a memmove."""
+
+    __slots__ = ()
+
+    def record(self, event: HostEvent, stream_handle: int, stream: Any) -> None:
+        event.record(stream)
+
+    def wait(self, stream_handle: int, event: HostEvent) -> None:
+        return None
+
+    def copy_to_device(self, destination: int, source: int, nbytes: int, stream_handle: int) -> None:
+        ctypes.memmove(destination, source, nbytes)
+
+
+_CUDART: CudartCalls | None = None
+_CUDART_LOOKED_UP = False
 
 
 def _no_stream_switch(stream: Any) -> None:
@@ -123,6 +152,27 @@ class DeviceRuntime:
         if not self.is_cuda:
             return HostEvent()
         return torch.cuda.Event(enable_timing=timing)
+
+    def is_current(self) -> bool:
+        """Whether this is the current CUDA device (always, on CPU)."""
+        return not self.is_cuda or torch.cuda.current_device() == self.device.index
+
+    def direct_calls(self) -> CudartCalls | HostCalls | None:
+        """Direct calls into PyTorch's CUDA runtime for the hot path (see [Note: direct runtime calls] in
+        cudart_calls.py), None when it cannot be found (warned once per process); their stand-in on CPU."""
+        if not self.is_cuda:
+            return HostCalls()
+        global _CUDART, _CUDART_LOOKED_UP
+        if not _CUDART_LOOKED_UP:
+            _CUDART_LOOKED_UP = True
+            _CUDART = CudartCalls.load()
+            if _CUDART is None:
+                logger.warning(
+                    "flextensor did not find the CUDA runtime library PyTorch loaded (a statically linked "
+                    "build?): streaming issues its copies and events through torch, which costs the host "
+                    "a few microseconds more per streamed unit"
+                )
+        return _CUDART
 
     def synchronize(self) -> None:
         """Wait for all work on the device. Plan time and profiling only, never the hot path."""

@@ -214,6 +214,9 @@ class DiscoveryStep:
         self.recorder.begin()
         self.checks.begin()
 
+    def follow_stream(self, stream: Any) -> None:
+        self._compute = stream  # see SteadyStep.follow_stream
+
     def end(self, error: type[BaseException] | None) -> DiscoveryResult | None:
         """Close the forward; its result, or None when it raised (a partial order would mis-plan)."""
         self.checks.end()

@@ -14,12 +14,12 @@ the search keeps a disk unit resident when its copy would stall the step.
 
 [Note: disk reads ahead]
 A read on the thread that issues the copy (the forward's, in the prefetch after the previous unit) would
-hold the model's host thread for the whole read. Instead one reader thread (:class:`DiskReadAhead`) reads
-the next READ_AHEAD disk units of the planned order (cyclic: the next step's first ones after the last)
-into pageable buffers while the model runs; a disk unit's copy then waits for its read (already done when
-the compute between two disk units is longer than a read) and goes through the ring from that buffer, a
-memcpy. Each layout gives the reader the new order. The file never changes while the model is offloaded,
-so a read done early is never stale.
+hold the model's host thread for the whole read. Instead reader threads (:class:`DiskReadAhead`) read the
+next READ_AHEAD disk units of the planned order (cyclic: the next step's first ones after the last), each
+in READ_CHUNK pieces read in parallel, into pageable buffers while the model runs; a disk unit's copy
+then waits for its read (already done when the compute between two disk units is longer than a read) and
+goes through the ring from that buffer, a memcpy. Each layout gives the reader the new order. The file
+never changes while the model is offloaded, so a read done early is never stale.
 
 The buffers count against the host budget: each holds the largest disk unit, taken from the budget
 before any unit keeps a host pack (:func:`plan_disk_tier`). Overlapping the reads with compute saves up to
@@ -69,6 +69,15 @@ __all__ = [
 READ_AHEAD = 2
 """Disk units read ahead of their copies (see [Note: disk reads ahead]): two keep one read going while
 the previous unit's buffer is copied through the ring."""
+
+READ_THREADS = 4
+"""Threads reading ahead. A unit's read is split into READ_CHUNK pieces read in parallel: one reader
+leaves an NVMe drive idle between its requests and copies out of the page cache on one core (wan20 with
+an 8 GiB budget on the H200: 4.08 s a step against 3.75 s of disk reads at 2.06 GB/s)."""
+
+READ_CHUNK = 32 * 2**20
+"""Bytes of one read ahead: large enough that a request's overhead is lost in it, small enough that a
+unit of a few hundred MiB keeps every thread busy."""
 
 
 def plan_disk_tier(nbytes: Sequence[int], budget_bytes: int | None) -> tuple[frozenset[int], int]:
@@ -267,9 +276,11 @@ class DiskReadAhead:
         self.buffer_bytes = buffer_bytes
         count = READ_AHEAD if buffer_bytes else 0  # no room beside the ring: every read is inline
         self._free = [torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(count)]
-        self._pending: dict[DiskPack, tuple[Future, torch.Tensor]] = {}
+        self._pending: dict[DiskPack, tuple[list[Future], torch.Tensor]] = {}
         self._next: dict[DiskPack, DiskPack] = {}
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="flextensor-disk")
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            READ_THREADS, thread_name_prefix="flextensor-disk"
+        )
         self.hits = 0  # copies served from a read done ahead
         self.misses = 0  # copies that read the file on the copying thread
 
@@ -293,9 +304,11 @@ class DiskReadAhead:
             self.misses += 1
             ring.copy(destination, pack.fill, stream)
         else:
-            future, buffer = pending
+            pieces, buffer = pending
             try:
-                future.result()  # the read's error, if it failed, is this copy's
+                wait(pieces)  # every piece done before the buffer is used or reused
+                for piece in pieces:
+                    piece.result()  # a read's error, if one failed, is this copy's
                 ring.copy_from_host(destination, buffer[: pack.nbytes], stream)  # done with buffer on return
             finally:
                 self._free.append(buffer)
@@ -310,14 +323,17 @@ class DiskReadAhead:
                 return
             if nxt not in self._pending:
                 buffer = self._free.pop()
-                future = self._pool.submit(nxt.fill, buffer[: nxt.nbytes], 0)
-                self._pending[nxt] = (future, buffer)
+                pieces = [
+                    self._pool.submit(nxt.fill, buffer[lo : min(lo + READ_CHUNK, nxt.nbytes)], lo)
+                    for lo in range(0, nxt.nbytes, READ_CHUNK)
+                ]
+                self._pending[nxt] = (pieces, buffer)
             nxt = self._next.get(nxt)
 
     def _settle(self) -> None:
         """Wait for the reads in flight and take their buffers back."""
         pending, self._pending = self._pending, {}
-        wait([future for future, _ in pending.values()])
+        wait([piece for pieces, _ in pending.values() for piece in pieces])
         self._free.extend(buffer for _, buffer in pending.values())
 
     def close(self) -> None:

@@ -32,7 +32,14 @@ from .plan_policy import PlanEntry, PlanPolicy
 from .profiling import ProfilingStep, sample_from_timeline
 from .slots import DeviceStore
 from .status import OffloadStatus, status_of
-from .steady import CapturedStep, OutsideForwardStep, ProfiledStep, RecordedStep, SteadyStep, profiler_running
+from .steady import (
+    CapturedStep,
+    OutsideForwardStep,
+    ProfiledStep,
+    RecordedStep,
+    profiler_running,
+    steady_step,
+)
 from .timeline import StepRecorder
 from .units import Placement, Unit
 from .weight_access import StreamedWeights
@@ -80,7 +87,7 @@ class OffloadEngine:
         self.last_recording: StepRecorder | None = None
         ensure_layout = weakref.WeakMethod(self._ensure_layout)  # no cycle: see ModelHooks
         self._outside = OutsideForwardStep(self.store, lambda: ensure_layout()())
-        self._steady = SteadyStep(self.store)
+        self._steady = steady_step(self.store)
         self.graphs = GraphCaptures(self.runtime, type(model).__name__)
         self.step: Any = self._outside  # what the unit hooks call (see hooks.py)
         self.learning = Learning(config.discovery_forwards, config.profiling_forwards)
@@ -191,7 +198,7 @@ class OffloadEngine:
             return RecordedStep(self.store, StepRecorder(self.runtime, self.forwards))
         if profiler_running():
             return ProfiledStep(self.store)
-        return self._steady
+        return self._steady.chosen()
 
     def _captured_driver(self) -> CapturedStep:
         self.graphs.check_capturable(
@@ -206,10 +213,14 @@ class OffloadEngine:
         checking forward), so must run uncompiled (see [Note: compiled hot path] in compiled.py)."""
         return getattr(self.step, "eager_only", False)
 
-    def capture_began(self) -> None:
-        """The first unit op of a compiled forward found the stream capturing (reduce-overhead mode): the
+    def first_unit_runs(self) -> None:
+        """The forward's first unit is about to run. Its stream may not be the one current when the forward
+        began (see SteadyStep.follow_stream), and it may be capturing (reduce-overhead mode): then the
         forward's driver becomes the captured one (see [Note: captured forwards])."""
-        if isinstance(self.step, CapturedStep) or not self.graphs.capturing():
+        if isinstance(self.step, CapturedStep):
+            return
+        if not self.graphs.capturing():
+            self.step.follow_stream(self.runtime.current_stream())
             return
         driver = self._captured_driver()
         driver.begin()

@@ -21,6 +21,7 @@
     ├── ConcurrentForwardError            a forward entered from a second thread while one runs
     ├── BackwardNotSupportedError         a backward pass reached weights that were streamed for inference
     ├── NoCudaError                       a CUDA-only command (``flextensor probe``) without a CUDA device
+    ├── DeviceError                       a CUDA call of the streaming hot path failed (the runtime's message)
     └── CodecError (ValueError)           a compressed stream that cannot be decoded as asked (corrupt index,
                                           wrong output, no decoder for its device)
 
@@ -96,6 +97,10 @@ class BackwardNotSupportedError(FlexTensorError, RuntimeError):
 
 class NoCudaError(FlexTensorError, RuntimeError):
     """A command that needs a CUDA device ran without one."""
+
+
+class DeviceError(FlexTensorError, RuntimeError):
+    """A CUDA call flextensor made itself (a copy, an event record or wait) failed."""
 
 
 class CodecError(FlexTensorError, ValueError):

@@ -226,6 +226,9 @@ class ProfilingStep:
         self._graphs_before = graphs_compiled()
         self.profiler.begin_step()
 
+    def follow_stream(self, stream: Any) -> None:
+        self._compute = stream  # see SteadyStep.follow_stream
+
     def end(self) -> StepSample:
         return self.profiler.end_step()
 

@@ -16,17 +16,21 @@ from typing import Any
 
 import torch
 
+from .cudart_calls import CudartCalls
+from .device import HostCalls
 from .slots import DeviceStore, copy_into_range, holds_weights
 from .timeline import StepRecorder
 from .units import Placement, Unit
 
 __all__ = [
     "CapturedStep",
+    "DirectStep",
     "OutsideForwardStep",
     "ProfiledStep",
     "RecordedStep",
     "SteadyStep",
     "profiler_running",
+    "steady_step",
 ]
 
 
@@ -47,6 +51,16 @@ class SteadyStep:
         self.compute = self.store.runtime.current_stream()
         self.owner = self.store.owner
 
+    def follow_stream(self, stream: Any) -> None:
+        """The forward's first unit runs on ``stream``: a compiled forward may run its units on another
+        stream than the one current at its start (CUDA-graph trees warm a graph up on a side stream, after
+        the model's hook ran eagerly), and the waits must be on the stream the kernels are on."""
+        self.compute = stream
+
+    def chosen(self) -> SteadyStep:
+        """The step that drives this forward (see :meth:`DirectStep.chosen`)."""
+        return self
+
     def pre(self, unit: Unit) -> None:
         if not holds_weights(unit, self.owner):
             self.store.load_on_demand(unit, self.compute)  # out of the learned order
@@ -66,6 +80,74 @@ class SteadyStep:
                     copy_into_range(upcoming, owner, copy)
             finally:
                 self.set_stream(compute)
+
+
+class DirectStep(SteadyStep):
+    """:class:`SteadyStep` with its waits, records and direct copies made straight into the CUDA runtime
+    (see [Note: direct runtime calls] in cudart_calls.py; on CPU through their stand-ins): no call
+    switches the current stream, so a post-hook that prefetches only pinned packs makes none. A staged or
+    disk unit's copy goes through torch on the copy stream, as in SteadyStep."""
+
+    __slots__ = ("calls", "compute_handle", "copy_handle", "plain")
+
+    def __init__(self, store: DeviceStore, calls: CudartCalls | HostCalls) -> None:
+        super().__init__(store)
+        self.calls = calls
+        self.copy_handle: int = self.copy.cuda_stream
+        self.compute_handle = 0
+        self.plain = SteadyStep(store)
+
+    def chosen(self) -> SteadyStep:
+        """This step while the model's device is the current one; else the plain step (the direct calls
+        do not make the event's device current, as torch's do). Once per forward."""
+        return self if self.store.runtime.is_current() else self.plain
+
+    def begin(self) -> None:
+        super().begin()
+        self.compute_handle = self.compute.cuda_stream
+
+    def follow_stream(self, stream: Any) -> None:
+        super().follow_stream(stream)
+        self.compute_handle = stream.cuda_stream
+
+    def pre(self, unit: Unit) -> None:
+        if not holds_weights(unit, self.owner):
+            self.store.load_on_demand(unit, self.compute)  # out of the learned order
+        self.calls.wait(self.compute_handle, unit.copy_done)
+
+    def post(self, unit: Unit, output: Any) -> None:
+        calls = self.calls
+        calls.record(unit.compute_done, self.compute_handle, self.compute)
+        owner = self.owner
+        pending = [u for u in unit.prefetch_next if not holds_weights(u, owner)]
+        if not pending:
+            return
+        copy_handle = self.copy_handle
+        calls.wait(copy_handle, unit.compute_done)
+        for upcoming in pending:
+            if upcoming.staging is not None:  # through the staging ring: torch's copies, on the copy stream
+                self.set_stream(self.copy)
+                try:
+                    copy_into_range(upcoming, owner, self.copy)
+                finally:
+                    self.set_stream(self.compute)
+                continue
+            cells = upcoming.cells
+            for cell in cells:  # emptied first, claimed last: as copy_into_range, for an interrupt
+                owner[cell] = None
+            storage = upcoming.storage
+            source = upcoming.pack.buffer  # type: ignore[union-attr]
+            calls.copy_to_device(storage.data_ptr(), source.data_ptr(), storage.nbytes, copy_handle)  # type: ignore[union-attr]
+            calls.record(upcoming.copy_done, copy_handle, self.copy)
+            for cell in cells:
+                owner[cell] = upcoming
+
+
+def steady_step(store: DeviceStore) -> SteadyStep:
+    """The steady step for ``store``'s device: the direct one (on CUDA when PyTorch's CUDA runtime can be
+    called; a warning when not, and the plain one)."""
+    calls = store.runtime.direct_calls()
+    return SteadyStep(store) if calls is None else DirectStep(store, calls)
 
 
 class RecordedStep(SteadyStep):
@@ -154,6 +236,9 @@ class OutsideForwardStep:
     def __init__(self, store: DeviceStore, ensure_layout: Callable[[], None]) -> None:
         self.store = store
         self.ensure_layout = ensure_layout
+
+    def follow_stream(self, stream: Any) -> None:
+        return None  # every call reads the current stream
 
     def pre(self, unit: Unit) -> None:
         if unit.placement is Placement.HOST:
