@@ -32,7 +32,7 @@ SCALING_UNITS = (1_000, 10_000)
 """Unit counts of the scaling run: a ratio of ten shows any quadratic term clearly."""
 
 TIMED_FORWARDS = 50
-"""Steady forwards timed per variant; the median is reported."""
+"""Steady forwards timed per variant (over ROUNDS rounds, rounded up); the median is reported."""
 
 PROFILE_HOST = False
 """Set by --profile: print where the host time of 20 steady forwards goes (cProfile)."""
@@ -138,9 +138,10 @@ def per_unit_overhead(device: torch.device, units: int, hidden: int, compare_pla
     for variant in variants.values():
         _host_times(variant, x, device, 5)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(ROUNDS):
-        for name, variant in variants.items():
-            times[name].extend(_host_times(variant, x, device, TIMED_FORWARDS // ROUNDS + 1))
+    names = list(variants)
+    for round_ in range(ROUNDS):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:  # each goes first in turn
+            times[name].extend(_host_times(variants[name], x, device, -(-TIMED_FORWARDS // ROUNDS)))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     offloaded = variants["offloaded"]
     if PROFILE_HOST:
@@ -152,7 +153,11 @@ def per_unit_overhead(device: torch.device, units: int, hidden: int, compare_pla
         _host_times(offloaded, x, device, 20)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
-    streamed = sum(1 for row in flextensor.report(offloaded).units if not row.resident)
+
+    def streamed_units(model: nn.Module) -> int:
+        return sum(1 for row in flextensor.report(model).units if not row.resident)
+
+    streamed = streamed_units(offloaded)
     row = {
         "units": units,
         "streamed": streamed,
@@ -162,7 +167,8 @@ def per_unit_overhead(device: torch.device, units: int, hidden: int, compare_pla
     }
     if compare_plain:
         row["plain_host_ms"] = medians["plain"] * 1e3
-        row["plain_per_unit_us"] = (medians["plain"] - medians["native"]) / max(streamed, 1) * 1e6
+        plain_streamed = streamed_units(variants["plain"])
+        row["plain_per_unit_us"] = (medians["plain"] - medians["native"]) / max(plain_streamed, 1) * 1e6
     for name in variants:
         if name != "native":
             flextensor.release(variants[name])

@@ -14,7 +14,7 @@ python3 -m pytest tests/test_gpu.py tests/test_gpu_compile.py tests/test_gpu_hos
     tests/test_checkpoint.py tests/test_editing.py \
     tests/test_docs.py -m gpu -q -p no:cacheprovider 2>&1 | tail -8
 echo "== per-unit host overhead (this engine)"
-python3 -m benchmarks.overhead --device cuda 2>&1 | tail -4
+python3 -m benchmarks.overhead --device cuda --compare-plain 2>&1 | tail -5
 if [ -d .old_src/src/flextensor ]; then
     echo "== per-unit host overhead (the engine in .old_src)"
     PYTHONPATH="$PWD/.old_src/src:$PWD:/tmp/site" python3 -m benchmarks.overhead --device cuda --skip-scaling 2>&1 | tail -2

@@ -21,10 +21,14 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 def test_the_runtime_torch_loaded_is_found_in_the_mapped_files() -> None:
-    assert loaded_cudart_path(MAPS) == "/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13"
-    assert loaded_cudart_path(MAPS.splitlines()[3]) == "/opt/path with spaces/libcudart.so.12"
-    assert loaded_cudart_path(MAPS.splitlines()[0] + "\n" + MAPS.splitlines()[1]) is None
-    assert loaded_cudart_path("") is None
+    cu13 = "/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13"
+    assert loaded_cudart_path(MAPS, "13.0") == cu13
+    assert loaded_cudart_path(MAPS, "12.8") == "/opt/path with spaces/libcudart.so.12"
+    assert loaded_cudart_path(MAPS, "11.8") is None  # neither is torch's runtime
+    assert loaded_cudart_path(MAPS.splitlines()[3], "13.0") is None
+    assert loaded_cudart_path(MAPS.splitlines()[3], "") == "/opt/path with spaces/libcudart.so.12"  # unknown
+    assert loaded_cudart_path(MAPS.splitlines()[0] + "\n" + MAPS.splitlines()[1], "13.0") is None
+    assert loaded_cudart_path("", "13.0") is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU build maps no CUDA runtime")

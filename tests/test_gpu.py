@@ -227,3 +227,40 @@ def test_peft_merge_in_editing_on_cuda_is_bitwise_and_kept_in_the_pinned_host_co
         outs = [peft_model(inputs).logits for _ in range(3)]
     assert flextensor.status(model).streamed
     assert all(torch.equal(out, ref) for out in outs)
+
+
+class SideStreamFirst(Heavy):
+    """Runs its first blocks on a side stream, the rest on the caller's: as a compiled part of a model
+    does while CUDA-graph trees warm it up on a stream of their own."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=2048, layers=8)
+        self.side = torch.cuda.Stream()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        caller = torch.cuda.current_stream()
+        self.side.wait_stream(caller)
+        with torch.cuda.stream(self.side):
+            for block in self.blocks[:3]:
+                x = block(x)
+        caller.wait_stream(self.side)
+        for block in self.blocks[3:]:
+            x = block(x)
+        return x
+
+
+def test_units_running_on_another_stream_than_the_forward_stay_ordered() -> None:
+    x = torch.randn(512, 2048, generator=torch.Generator().manual_seed(0))
+    native = SideStreamFirst().cuda()
+    with torch.no_grad():
+        ref = native(x.cuda()).clone()
+    del native
+    budget = torch.cuda.memory_allocated() + 110 * 2**20  # blocks of 32 MiB: three in the arena at most
+    config = flextensor.OffloadConfig(include_patterns=["blocks.*"], gpu_memory_budget=budget)
+    model = flextensor.offload(SideStreamFirst(), config)
+    with torch.no_grad():
+        for i in range(6):
+            assert torch.equal(model(x.cuda()), ref), f"forward {i}"
+    assert flextensor.phase(model) == "inference"
+    assert sum(not u.resident for u in flextensor.report(model).units) >= 5  # blocks on both streams streamed
+    flextensor.release(model)

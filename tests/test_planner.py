@@ -280,8 +280,9 @@ def test_infeasible_budget_names_the_numbers() -> None:
         plan_offload(m, 4 * GiB)
     assert str(info.value) == (
         "budget 4.00 GiB is below the 5.30 GiB this model needs at this input: activations 3.80 GiB, "
-        "the two largest units in flight 1.46 GiB, weights that never stream 41.0 MiB; raise the budget "
-        "or offload more modules"
+        "the two largest units in flight 1.46 GiB, weights that never stream and other tensors on the "
+        "device 41.0 MiB; raise the budget, offload more modules or free what else the process holds on "
+        "the device"
     )
 
 

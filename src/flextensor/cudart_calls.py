@@ -23,6 +23,8 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import torch
+
 from .errors import DeviceError
 
 __all__ = ["CudartCalls", "loaded_cudart_path"]
@@ -30,19 +32,28 @@ __all__ = ["CudartCalls", "loaded_cudart_path"]
 _MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 
 
-def loaded_cudart_path(maps: str | None = None) -> str | None:
-    """The path of the CUDA runtime library mapped into this process (PyTorch's), None when there is none
-    (a CPU build, or a runtime linked statically). ``maps``: the text of /proc/self/maps (read if None)."""
+def loaded_cudart_path(maps: str | None = None, cuda_version: str | None = None) -> str | None:
+    """The path of the CUDA runtime library PyTorch uses among those mapped into this process: the one of
+    ``cuda_version``'s major version (default ``torch.version.cuda``; CuPy or an extension may map
+    another); None when there is none (a CPU build, a runtime linked statically). ``maps``: the text of
+    /proc/self/maps (read if None)."""
     if maps is None:
         try:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return None
+    if cuda_version is None:
+        cuda_version = torch.version.cuda
+    found: list[str] = []
     for line in maps.splitlines():
         path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-        if Path(path).name.startswith("libcudart.so"):
-            return path
-    return None
+        if Path(path).name.startswith("libcudart.so") and path not in found:
+            found.append(path)
+    if not cuda_version:
+        return found[0] if len(found) == 1 else None
+    major = f"libcudart.so.{cuda_version.split('.')[0]}"
+    matching = [p for p in found if Path(p).name == major or Path(p).name.startswith(major + ".")]
+    return matching[0] if matching else None  # another major version is not torch's runtime
 
 
 class CudartCalls:
@@ -81,7 +92,8 @@ class CudartCalls:
             return None
 
     def record(self, event: object, stream_handle: int, stream: object) -> None:
-        """Record ``event`` on the stream ``stream_handle`` (torch's record creates it the first time)."""
+        """Record ``event`` on the stream ``stream_handle``. An event not created yet is recorded by torch
+        on ``stream``, the same stream as a torch object (None: the current stream), which creates it."""
         handle = event.cuda_event  # type: ignore[attr-defined]
         if not handle:
             event.record(stream)  # type: ignore[attr-defined]

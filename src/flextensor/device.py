@@ -9,9 +9,11 @@ work is synchronous. Nothing here touches CUDA until a target for a CUDA device 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +115,10 @@ def _no_stream_switch(stream: Any) -> None:
     return None
 
 
+def _no_stream_handle() -> int:
+    return 0
+
+
 class DeviceRuntime:
     """Everything the engine asks of the device: streams, events, memory statistics.
 
@@ -128,6 +134,11 @@ class DeviceRuntime:
         self._copy_stream: Any = None
         self._host_stream = HostStream()
         self.set_stream = torch.cuda.set_stream if self.is_cuda else _no_stream_switch
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) if self.is_cuda else None
+        # The current stream's raw handle on this device, for the direct calls (0 on CPU).
+        self.current_stream_handle: Callable[[], int] = (
+            functools.partial(raw_stream, device.index) if raw_stream is not None else _no_stream_handle
+        )
 
     def __repr__(self) -> str:
         return f"DeviceRuntime({self.device})"
@@ -162,6 +173,8 @@ class DeviceRuntime:
         cudart_calls.py), None when it cannot be found (warned once per process); their stand-in on CPU."""
         if not self.is_cuda:
             return HostCalls()
+        if torch.version.hip or self.current_stream_handle is _no_stream_handle:
+            return None  # ROCm has no libcudart; a build without the raw stream lookup: torch's calls
         global _CUDART, _CUDART_LOOKED_UP
         if not _CUDART_LOOKED_UP:
             _CUDART_LOOKED_UP = True

@@ -214,9 +214,6 @@ class DiscoveryStep:
         self.recorder.begin()
         self.checks.begin()
 
-    def follow_stream(self, stream: Any) -> None:
-        self._compute = stream  # see SteadyStep.follow_stream
-
     def end(self, error: type[BaseException] | None) -> DiscoveryResult | None:
         """Close the forward; its result, or None when it raised (a partial order would mis-plan)."""
         self.checks.end()
@@ -228,6 +225,7 @@ class DiscoveryStep:
     def pre(self, unit: Unit) -> None:
         self.checks.enter(unit)
         self.recorder.wait_start(unit.name, unit.resident, unit.nbytes)
+        self._compute = self.store.runtime.current_stream()  # as in SteadyStep.pre
         if not unit.resident and unit.parameters:
             if not holds_weights(unit, self.store.owner):
                 self.store.load_on_demand(unit, self._compute)

@@ -278,6 +278,7 @@ class DiskReadAhead:
         self._free = [torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(count)]
         self._pending: dict[DiskPack, tuple[list[Future], torch.Tensor]] = {}
         self._next: dict[DiskPack, DiskPack] = {}
+        self._parked: list[tuple[list[Future], torch.Tensor]] = []  # see _give_back
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             READ_THREADS, thread_name_prefix="flextensor-disk"
         )
@@ -311,12 +312,24 @@ class DiskReadAhead:
                     piece.result()  # a read's error, if one failed, is this copy's
                 ring.copy_from_host(destination, buffer[: pack.nbytes], stream)  # done with buffer on return
             finally:
-                self._free.append(buffer)
+                self._give_back(pieces, buffer)
             self.hits += 1
         self._start_after(pack)
 
+    def _give_back(self, pieces: list[Future], buffer: torch.Tensor) -> None:
+        """Return ``buffer`` for reuse once every piece read into it is done; a copy interrupted while
+        waiting (Ctrl-C) leaves pieces running, and their buffer waits in ``_parked`` until they end."""
+        if all(piece.done() for piece in pieces):
+            self._free.append(buffer)
+        else:
+            self._parked.append((pieces, buffer))
+
     def _start_after(self, pack: DiskPack) -> None:
         """Read the units that follow ``pack`` in the order, while buffers are free."""
+        if self._parked:
+            parked, self._parked = self._parked, []
+            for pieces, buffer in parked:
+                self._give_back(pieces, buffer)
         nxt = self._next.get(pack)
         for _ in range(READ_AHEAD):
             if nxt is None or nxt is pack or not self._free or self._pool is None:
@@ -332,9 +345,10 @@ class DiskReadAhead:
 
     def _settle(self) -> None:
         """Wait for the reads in flight and take their buffers back."""
-        pending, self._pending = self._pending, {}
-        wait([piece for pieces, _ in pending.values() for piece in pieces])
-        self._free.extend(buffer for _, buffer in pending.values())
+        waiting = [*self._pending.values(), *self._parked]
+        self._pending, self._parked = {}, []
+        wait([piece for pieces, _ in waiting for piece in pieces])
+        self._free.extend(buffer for _, buffer in waiting)
 
     def close(self) -> None:
         self._settle()

@@ -213,14 +213,10 @@ class OffloadEngine:
         checking forward), so must run uncompiled (see [Note: compiled hot path] in compiled.py)."""
         return getattr(self.step, "eager_only", False)
 
-    def first_unit_runs(self) -> None:
-        """The forward's first unit is about to run. Its stream may not be the one current when the forward
-        began (see SteadyStep.follow_stream), and it may be capturing (reduce-overhead mode): then the
+    def capture_began(self) -> None:
+        """The first unit op of a compiled forward found the stream capturing (reduce-overhead mode): the
         forward's driver becomes the captured one (see [Note: captured forwards])."""
-        if isinstance(self.step, CapturedStep):
-            return
-        if not self.graphs.capturing():
-            self.step.follow_stream(self.runtime.current_stream())
+        if isinstance(self.step, CapturedStep) or not self.graphs.capturing():
             return
         driver = self._captured_driver()
         driver.begin()

@@ -63,7 +63,7 @@ class Controller(Protocol):
 
     def close_interrupted_forward(self) -> None: ...
 
-    def first_unit_runs(self) -> None: ...
+    def capture_began(self) -> None: ...
 
     def runs_eager(self) -> bool: ...
 
@@ -270,7 +270,7 @@ class ModelHooks:
         self.stance: Any = None  # torch.compiler.set_stance("force_eager") while discovery runs
         self._guarding = False  # whether compiled graphs are guarded on module hooks yet
         self.model_id = 0  # the constant compiled graphs carry (see compiled.py)
-        self.ops_seen = False  # a unit ran in this forward (the first checks its stream and for a capture)
+        self.ops_seen = False  # a unit ran in this forward (the first checks for a capture)
         # Whether the compiled pre op orders a unit's kernels through its floating-point inputs rather
         # than its weights (see compiled.written_inputs): set by integrations that need it (vLLM).
         self.order_by_inputs = False
@@ -418,9 +418,9 @@ class ModelHooks:
                 f"unit {unit.name!r} entered from a second thread while a forward runs; run forwards "
                 "one at a time"
             )
-        if not self.ops_seen:  # once per forward: its units may run on another stream, or be captured
+        if not self.ops_seen:  # once per forward: a capture may begin inside it (reduce-overhead mode)
             self.ops_seen = True
-            controller.first_unit_runs()
+            controller.capture_began()
         controller.step.pre(self.units[index])
 
     def run_unit_post(self, index: int, output: Any = None) -> Any:

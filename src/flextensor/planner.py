@@ -376,8 +376,9 @@ def plan_offload(
         raise BudgetError(
             f"budget {short} is below the {needed} this model needs at this input: activations "
             f"{format_bytes(measurements.activation_peak_bytes)}, the two largest units in flight "
-            f"{format_bytes(in_flight)}, weights that never stream "
-            f"{format_bytes(measurements.baseline_bytes)}; raise the budget or offload more modules"
+            f"{format_bytes(in_flight)}, weights that never stream and other tensors on the device "
+            f"{format_bytes(measurements.baseline_bytes)}; raise the budget, offload more modules or free "
+            "what else the process holds on the device"
         )
     search = _Search(measurements, host)
     if not measurements.units:

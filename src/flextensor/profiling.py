@@ -226,9 +226,6 @@ class ProfilingStep:
         self._graphs_before = graphs_compiled()
         self.profiler.begin_step()
 
-    def follow_stream(self, stream: Any) -> None:
-        self._compute = stream  # see SteadyStep.follow_stream
-
     def end(self) -> StepSample:
         return self.profiler.end_step()
 
@@ -240,6 +237,7 @@ class ProfilingStep:
     def pre(self, unit: Unit) -> None:
         profiler = self.profiler
         profiler.before_load(unit.name, unit.nbytes)
+        self._compute = self.store.runtime.current_stream()  # as in SteadyStep.pre
         if not unit.resident:
             if not holds_weights(unit, self.store.owner):
                 self._timed_load(unit)

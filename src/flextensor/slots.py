@@ -375,6 +375,7 @@ class DeviceStore:
 
     def free_everything(self) -> None:
         """Let go of the arena, every storage and every pack (after the parameters got their own copies)."""
+        self.host.free()  # first: the disk readers still read into the packs' files
         for unit in self.units:
             unit.storage = None
             unit.cells = ()
@@ -384,7 +385,6 @@ class DeviceStore:
             if unit.pack is not None:
                 unit.pack.free()
                 unit.pack = None
-        self.host.free()
         self.arena = None
         self.owner = []
 

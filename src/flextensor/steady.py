@@ -3,10 +3,14 @@
 A streamed unit's pre-hook makes the compute stream wait for its copy (loading it first when it runs out
 of the learned order); its post-hook records that its compute is done and issues the copies the ring
 layout schedules after it (``Unit.prefetch_next``), on the copy stream, each after that compute. Per unit:
-one event wait, one event record, and for the units with copies to issue one switch to the copy stream and
-back, one wait and the copies. No phase, recorder or grad branch: the forward's driver is chosen once at
-its start (:class:`SteadyStep`, or :class:`RecordedStep` for a recorded step), and the compute stream is
-looked up once per forward.
+one event wait, one event record, and for the units with copies to issue one wait and the copies. No
+phase, recorder or grad branch: the forward's driver is chosen once at its start (:class:`DirectStep` on
+a CUDA device, which calls the CUDA runtime itself; :class:`RecordedStep` for a recorded step).
+
+The compute stream is the one current when the unit's pre-hook runs, read there and kept for its
+post-hook, not the one current when the forward began: CUDA-graph trees warm a compiled model up on a
+stream of their own after the model's own hook ran on the default stream, and a compiled part of a model
+may do so while the rest runs on the default stream (DirectStep reads a raw handle, about 0.1 us).
 """
 
 from __future__ import annotations
@@ -51,20 +55,17 @@ class SteadyStep:
         self.compute = self.store.runtime.current_stream()
         self.owner = self.store.owner
 
-    def follow_stream(self, stream: Any) -> None:
-        """The forward's first unit runs on ``stream``: a compiled forward may run its units on another
-        stream than the one current at its start (CUDA-graph trees warm a graph up on a side stream, after
-        the model's hook ran eagerly), and the waits must be on the stream the kernels are on."""
-        self.compute = stream
-
     def chosen(self) -> SteadyStep:
         """The step that drives this forward (see :meth:`DirectStep.chosen`)."""
         return self
 
     def pre(self, unit: Unit) -> None:
+        # The stream this unit runs on, which its post-hook uses too: not always the forward's first one
+        # (CUDA-graph trees warm a compiled part up on a stream of their own).
+        self.compute = compute = self.store.runtime.current_stream()
         if not holds_weights(unit, self.owner):
-            self.store.load_on_demand(unit, self.compute)  # out of the learned order
-        self.compute.wait_event(unit.copy_done)
+            self.store.load_on_demand(unit, compute)  # out of the learned order
+        compute.wait_event(unit.copy_done)
 
     def post(self, unit: Unit, output: Any) -> None:
         compute = self.compute
@@ -85,16 +86,18 @@ class SteadyStep:
 class DirectStep(SteadyStep):
     """:class:`SteadyStep` with its waits, records and direct copies made straight into the CUDA runtime
     (see [Note: direct runtime calls] in cudart_calls.py; on CPU through their stand-ins): no call
-    switches the current stream, so a post-hook that prefetches only pinned packs makes none. A staged or
-    disk unit's copy goes through torch on the copy stream, as in SteadyStep."""
+    switches the current stream, so a post-hook that prefetches only pinned packs makes none. Each hook
+    reads the stream it runs on (a raw handle, cheap), so units that run on different streams within one
+    forward (a compiled part warming up on its own stream) are each ordered on theirs. A staged or disk
+    unit's copy goes through torch on the copy stream, as in SteadyStep."""
 
-    __slots__ = ("calls", "compute_handle", "copy_handle", "plain")
+    __slots__ = ("calls", "copy_handle", "plain", "stream_handle")
 
     def __init__(self, store: DeviceStore, calls: CudartCalls | HostCalls) -> None:
         super().__init__(store)
         self.calls = calls
         self.copy_handle: int = self.copy.cuda_stream
-        self.compute_handle = 0
+        self.stream_handle = store.runtime.current_stream_handle
         self.plain = SteadyStep(store)
 
     def chosen(self) -> SteadyStep:
@@ -102,22 +105,14 @@ class DirectStep(SteadyStep):
         do not make the event's device current, as torch's do). Once per forward."""
         return self if self.store.runtime.is_current() else self.plain
 
-    def begin(self) -> None:
-        super().begin()
-        self.compute_handle = self.compute.cuda_stream
-
-    def follow_stream(self, stream: Any) -> None:
-        super().follow_stream(stream)
-        self.compute_handle = stream.cuda_stream
-
     def pre(self, unit: Unit) -> None:
-        if not holds_weights(unit, self.owner):
-            self.store.load_on_demand(unit, self.compute)  # out of the learned order
-        self.calls.wait(self.compute_handle, unit.copy_done)
+        if not holds_weights(unit, self.owner):  # out of the learned order
+            self.store.load_on_demand(unit, self.store.runtime.current_stream())
+        self.calls.wait(self.stream_handle(), unit.copy_done)
 
     def post(self, unit: Unit, output: Any) -> None:
         calls = self.calls
-        calls.record(unit.compute_done, self.compute_handle, self.compute)
+        calls.record(unit.compute_done, self.stream_handle(), None)  # None: torch's record, if any, on it too
         owner = self.owner
         pending = [u for u in unit.prefetch_next if not holds_weights(u, owner)]
         if not pending:
@@ -126,11 +121,12 @@ class DirectStep(SteadyStep):
         calls.wait(copy_handle, unit.compute_done)
         for upcoming in pending:
             if upcoming.staging is not None:  # through the staging ring: torch's copies, on the copy stream
+                current = self.store.runtime.current_stream()
                 self.set_stream(self.copy)
                 try:
                     copy_into_range(upcoming, owner, self.copy)
                 finally:
-                    self.set_stream(self.compute)
+                    self.set_stream(current)
                 continue
             cells = upcoming.cells
             for cell in cells:  # emptied first, claimed last: as copy_into_range, for an interrupt
@@ -166,6 +162,7 @@ class RecordedStep(SteadyStep):
     def pre(self, unit: Unit) -> None:
         recorder = self.recorder
         recorder.wait_start(unit.name, unit.resident, unit.nbytes)
+        self.compute = self.store.runtime.current_stream()  # as in SteadyStep.pre
         if not unit.resident:
             if not holds_weights(unit, self.owner):
                 self._timed_copies(unit, (), on_demand=True)
@@ -236,9 +233,6 @@ class OutsideForwardStep:
     def __init__(self, store: DeviceStore, ensure_layout: Callable[[], None]) -> None:
         self.store = store
         self.ensure_layout = ensure_layout
-
-    def follow_stream(self, stream: Any) -> None:
-        return None  # every call reads the current stream
 
     def pre(self, unit: Unit) -> None:
         if unit.placement is Placement.HOST:
