@@ -410,9 +410,13 @@ class ModelHooks:
         self._controller.end_forward(type(error) if failed else None)
         return previous
 
+    # The two methods below run per streamed unit per forward: attribute reads, no helper calls.
+
     def run_unit_pre(self, index: int) -> None:
-        controller = self._controller
-        if controller.bracket.is_foreign_thread():
+        controller = self._controller_ref()
+        assert controller is not None, "the engine these hooks belong to is gone"
+        owner = controller.bracket.owner
+        if owner is not None and owner != threading.get_ident():  # ForwardBracket.is_foreign_thread
             unit = self.units[index]
             raise ConcurrentForwardError(
                 f"unit {unit.name!r} entered from a second thread while a forward runs; run forwards "
@@ -424,8 +428,10 @@ class ModelHooks:
         controller.step.pre(self.units[index])
 
     def run_unit_post(self, index: int, output: Any = None) -> Any:
-        controller = self._controller
-        if controller.bracket.is_foreign_thread():
+        controller = self._controller_ref()
+        assert controller is not None, "the engine these hooks belong to is gone"
+        owner = controller.bracket.owner
+        if owner is not None and owner != threading.get_ident():
             return None  # the rejected call of a second thread: the running forward's state is not ours
         return controller.step.post(self.units[index], output)
 
