@@ -118,6 +118,31 @@ def test_a_forward_interrupted_by_ctrl_c_is_closed_by_the_next_one(interrupted: 
     assert torch.equal(_forward_in_another_thread(model, tokens), ref)
 
 
+def test_a_discovery_forward_interrupted_by_ctrl_c_leaves_torch_compile_working() -> None:
+    """Discovery runs eagerly under Dynamo's process-wide force_eager stance; a forward interrupted there
+    never reaches the hook that leaves it, so the next forward does, or every torch.compile in the
+    process would silently run eagerly from then on."""
+    from torch._dynamo.testing import CompileCounter
+
+    tokens = spec_tokens()
+    model = make_spec_model()
+    model = flextensor.offload(model, streaming_config(model))
+
+    def ctrl_c(module: nn.Module, args: tuple) -> None:
+        raise KeyboardInterrupt
+
+    handle = model.layers[1].register_forward_pre_hook(ctrl_c)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(tokens)
+    handle.remove()
+    run_forwards(model, tokens, LEARN)
+    assert flextensor.phase(model) == "inference"
+    counter = CompileCounter()
+    torch.compile(lambda x: x * 2 + 1, backend=counter)(torch.ones(3))
+    assert counter.frame_count == 1  # compiled, not run eagerly under a leftover stance
+    flextensor.release(model)
+
+
 class CallsItself(nn.Module):
     """A model whose forward calls the model again (the way some wrappers re-enter it)."""
 

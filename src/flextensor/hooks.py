@@ -383,6 +383,9 @@ class ModelHooks:
         bracket.claim()
         if bracket.interrupted():
             self.eval_frame = None  # that forward's compiled call has restored Dynamo itself
+            if self.stance is not None:  # its force_eager stance is process-wide: every torch.compile
+                stance, self.stance = self.stance, None  # would run eagerly until it is left
+                stance.__exit__(None, None, None)
             controller.close_interrupted_forward()
             bracket.claim()
         bracket.depth += 1
