@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # vLLM on the GPU machine (issue 13, Must 6). Needs vLLM 0.26.0 (the newest release pinning the image's torch
-# 2.11) unpacked into /tmp/site with its small dependencies (see shared/vllm-notes.md: the wheel's parts for
-# a dense Llama on Hopper are ~64.5 MiB xz, so they travel in two calls), and flextensor installed there
-# with its entry point (pip install --no-deps --target /tmp/site . after the wheels), so vLLM finds the plugin.
+# 2.11) and its small dependencies, carried in .vllm_carry (built by scripts/vllm_gpu_carry.sh; two calls,
+# see the header of scripts/gpu_vllm_env.sh, which this script sources: it unpacks what the call carried into
+# /tmp/site and installs flextensor there with its entry point, so vLLM finds the plugin).
 #   PART=0: import check + the vLLM tests on the GPU (tiny Llama; compiled mode without CUDA graphs).
 #   PART=1: save the random Llama-3.1-8B checkpoint (once per machine), then batch 1 for every method.
 #   PART=2: batch 32 for every method.
 set -u
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/gpu_vllm_env.sh"
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0} HF_HUB_OFFLINE=1
 model=${MODEL:-/tmp/llama8b}
 out=${OUT:-benchmarks/results}/vllm_serve.jsonl
