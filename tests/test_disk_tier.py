@@ -5,6 +5,7 @@ disk units with their own speed."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,54 @@ def test_the_planner_times_disk_units_at_the_disk_speed() -> None:
     plan_slow = plan_offload(measurements, budget, slow)
     assert set(plan_slow.staged) >= {"u1", "u2"} & set(plan_slow.streamed)
     assert plan_slow.predicted_step_s > plan_fast.predicted_step_s
+
+
+class _SlowPack:
+    """Stands in for a DiskPack: its reads fill the slot with its name, once ``gate`` (if any) opens."""
+
+    def __init__(self, name: str, gate: threading.Event | None = None) -> None:
+        self.name, self.nbytes, self.gate, self.reads = name, 8, gate, 0
+
+    def fill(self, slot: torch.Tensor, offset: int) -> None:
+        self.reads += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        slot.fill_(ord(self.name))
+
+
+class _InlineRing:
+    """Stands in for the staging ring: a copy reads straight into the destination."""
+
+    def copy(self, destination: torch.Tensor, fill, stream: object) -> None:
+        fill(destination, 0)
+
+
+def test_an_interrupted_copy_keeps_its_buffer_until_the_read_into_it_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while a copy waits for its read ahead: that read goes on writing into its buffer, so no
+    other read may be given the buffer until it ends."""
+    import flextensor.disk_tier as disk_tier
+
+    gate = threading.Event()
+    packs = [_SlowPack("a", gate), _SlowPack("b"), _SlowPack("c")]
+    reader = disk_tier.DiskReadAhead(8)
+    reader.plan(packs)  # type: ignore[arg-type]  # reads a and b ahead, one buffer each
+    destination = torch.empty(8, dtype=torch.uint8)
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(disk_tier, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            reader.copy(packs[0], _InlineRing(), destination, None)  # type: ignore[arg-type]
+    # c was not read ahead: it is read inline, then the reader would read a again into a free buffer;
+    # the only other buffer is b's, still pending, so a's must not be free while its first read runs.
+    reader.copy(packs[2], _InlineRing(), destination, None)  # type: ignore[arg-type]
+    assert packs[0].reads == 1
+    gate.set()
+    reader.close()
 
 
 # -- host memory -------------------------------------------------------------------------------------------
