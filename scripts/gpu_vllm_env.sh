@@ -25,6 +25,8 @@ if ls .vllm_carry/p2/wheels/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD/src:$PWD/tests:$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# FlashInfer is not carried: its sampler is vLLM's default on CUDA and imports it at the first step.
+export VLLM_USE_FLASHINFER_SAMPLER=0
 for f in vllm/__init__.py vllm/_C_stable_libtorch.abi3.so vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so xgrammar \
     pydantic flextensor-0.1.0.dist-info/entry_points.txt; do
     [ -e "$site/$f" ] || echo "gpu_vllm_env: $site/$f missing (yet)" >&2

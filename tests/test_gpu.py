@@ -258,7 +258,9 @@ def test_units_running_on_another_stream_than_the_forward_stay_ordered() -> None
     with torch.no_grad():
         ref = native(x.cuda()).clone()
     del native
-    budget = torch.cuda.memory_allocated() + 110 * 2**20  # blocks of 32 MiB: three in the arena at most
+    # Blocks of 32 MiB: the planner asks for two in flight, activations and what the process holds (read at
+    # the plan, after the forwards' own allocations); 8 blocks need 256 MiB, so at least five stream.
+    budget = torch.cuda.memory_allocated() + 160 * 2**20
     config = flextensor.OffloadConfig(include_patterns=["blocks.*"], gpu_memory_budget=budget)
     model = flextensor.offload(SideStreamFirst(), config)
     with torch.no_grad():
