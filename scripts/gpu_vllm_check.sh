@@ -3,9 +3,11 @@
 # 2.11) and its small dependencies, carried in .vllm_carry (built by scripts/vllm_gpu_carry.sh; two calls,
 # see the header of scripts/gpu_vllm_env.sh, which this script sources: it unpacks what the call carried into
 # /tmp/site and installs flextensor there with its entry point, so vLLM finds the plugin).
-#   PART=0: import check + the vLLM tests on the GPU (tiny Llama; compiled mode without CUDA graphs).
-#   PART=1: save the random Llama-3.1-8B checkpoint (once per machine), then batch 1 for every method.
-#   PART=2: batch 32 for every method.
+#   PART=0: import check + the vLLM tests on the GPU (tiny Llama; compiled mode without CUDA graphs);
+#           TESTS="-k expr" picks some.
+#   PART=save: save the random Llama-3.1-8B checkpoint (once per machine, while it stays warm).
+#   PART=1: batch 1 for each of METHODS (default: native flextensor uva prefetch); PART=2: batch 32.
+#           BENCH_ARGS go to benchmarks.vllm_serve (e.g. "--decode-tokens 16 --warmup 1").
 set -u
 source "$(dirname "$0")/gpu_vllm_env.sh"
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0} HF_HUB_OFFLINE=1
@@ -15,16 +17,21 @@ case "${PART:-0}" in
 0)
     python3 -c "import vllm, vllm._C_stable_libtorch; from vllm import LLM; print('vllm', vllm.__version__)" || exit 1
     python3 -c "from importlib.metadata import entry_points as e; print([p.value for p in e(group='vllm.general_plugins')])"
-    python3 -m pytest tests/test_vllm.py -q -p no:cacheprovider -x 2>&1 | tail -15
+    python3 -m pytest tests/test_vllm.py -q -p no:cacheprovider -x ${TESTS:-} 2>&1 | tail -15
+    ;;
+save)
+    [ -f "$model/config.json" ] || python3 -m benchmarks.vllm_serve --save "$model"
+    du -sh "$model"
     ;;
 *)
     [ -f "$model/config.json" ] || python3 -m benchmarks.vllm_serve --save "$model"
     batch=$([ "${PART}" = 1 ] && echo 1 || echo 32)
-    python3 -m benchmarks.vllm_serve --model "$model" --method native --batch "$batch" \
-        --gpu-memory-utilization 0.3 --out "$out" 2>&1 | tail -1
-    for method in flextensor uva prefetch; do
-        timeout 170 python3 -m benchmarks.vllm_serve --model "$model" --method "$method" --batch "$batch" \
-            --out "$out" 2>&1 | tail -1
+    for method in ${METHODS:-native flextensor uva prefetch}; do
+        # native at a utilization where the whole model fits; the others where it does not
+        util=$([ "$method" = native ] && echo 0.3 || echo 0.11)
+        timeout "${METHOD_TIMEOUT:-170}" python3 -m benchmarks.vllm_serve --model "$model" --method "$method" \
+            --batch "$batch" --gpu-memory-utilization "$util" --out "$out" ${BENCH_ARGS:-} 2>&1 \
+            | grep -E '^\{|Error|error:' | tail -3
     done
     ;;
 esac

@@ -83,6 +83,7 @@ BAD_INPUTS = {
     "vllm_offload_too": {"additional_config": {"flextensor": {}}, "cpu_offload_gb": 1},
     "vllm_backend_too": {"additional_config": {"flextensor": {}}, "offload_backend": "uva"},
     "no_such_units": {"additional_config": {"flextensor": {"include_patterns": ["no.such.module"]}}},
+    "budget_too_small": {"additional_config": {"flextensor": {"gpu_memory_budget": "1MiB"}}},
 }
 """Engines that must refuse to start, by name: what the user passes to LLM besides the model."""
 

@@ -4,13 +4,20 @@ Plans are cached per *input signature*: the bucketed shapes of the tensors a for
 :func:`input_signature`). :class:`PlanPolicy` makes plans under the budget (or, without one, within the
 device's share), below the peak of a plan whose layout ran out of memory, and chooses which resident
 units stay resident while a new input shape is profiled.
+
+[Note: a budget for the weights alone] A serving engine (vLLM) sizes its own device memory: it measures
+the model's weights after loading and its activations in a warm-up step, and gives the rest to its KV
+cache. Under it the budget covers only what flextensor places: the model's weights on the device (those
+that never stream, resident units, the arena). The plans then count the weights outside units measured
+once after loading, instead of everything allocated at a step's start (which would count the KV cache),
+and no activations (the engine accounts for them). See :meth:`PlanPolicy.count_weights_only`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,18 +57,34 @@ class PlanPolicy:
         self.budget_bytes = budget_bytes
         self.failed_peak_bytes: int | None = None  # predicted peak of a plan whose layout ran out of memory
         self.host: HostPlan | None = None  # set when a host budget cannot pin every pack (host_budget.py)
+        self.fixed_weight_bytes: int | None = None  # set by count_weights_only
+
+    def count_weights_only(self, fixed_weight_bytes: int) -> None:
+        """Plan for the weights alone: ``fixed_weight_bytes`` never stream (see [Note: a budget for the
+        weights alone]). Without a budget, plans are then made without a device limit: the serving
+        engine accounted for the whole model when it loaded."""
+        self.fixed_weight_bytes = fixed_weight_bytes
+
+    def planned(self, measurements: Measurements) -> Measurements:
+        """``measurements`` as the plans count them: as measured, or for the weights alone."""
+        if self.fixed_weight_bytes is None:
+            return measurements
+        return replace(measurements, baseline_bytes=self.fixed_weight_bytes, activation_peak_bytes=0)
 
     def memory_limit(self) -> int | None:
         """What a plan must fit: the budget, or without one the device's share (None when the device's
         size is unknown, as on a CPU)."""
         if self.budget_bytes is not None:
             return self.budget_bytes
+        if self.fixed_weight_bytes is not None:
+            return None
         capacity = self.runtime.total_memory()
         return None if capacity is None else int(NO_BUDGET_DEVICE_FRACTION * capacity)
 
     def make_plan(self, measurements: Measurements) -> Plan:
         """The plan for ``measurements``: under the budget; without one, within the device's share; and
         below the peak of a plan whose layout ran out of memory."""
+        measurements = self.planned(measurements)
         plan = plan_offload(measurements, self.budget_bytes, self.host)
         limit = self.memory_limit()
         if self.failed_peak_bytes is not None:
@@ -104,8 +127,11 @@ class PlanPolicy:
         limit = self.memory_limit()
         if limit is None or not resident:
             return set(resident)
-        reserve = max((e.measurements.activation_peak_bytes for e in plans.values()), default=0)
-        fixed = max(0, self.runtime.memory_allocated() - device_bytes_held)  # weights, user tensors
+        if self.fixed_weight_bytes is not None:
+            reserve, fixed = 0, self.fixed_weight_bytes
+        else:
+            reserve = max((e.measurements.activation_peak_bytes for e in plans.values()), default=0)
+            fixed = max(0, self.runtime.memory_allocated() - device_bytes_held)  # weights, user tensors
         in_order = set(order)
         streamed = [u.nbytes for u in order if u.name not in resident]
         # Units that never ran are loaded on demand at the arena's start: the arena holds the largest.

@@ -119,6 +119,16 @@ class DeviceStore:
         self.counters = StoreCounters()
         self.keep_packs = False  # a pipeline component gives its device bytes back between its steps
         self.host = HostBudget(None, runtime, pin)  # which packs are pinned; set_host_budget bounds it
+        self.reserved: torch.Tensor | None = None  # see hold_in_reserve
+
+    def hold_in_reserve(self, nbytes: int) -> None:
+        """Hold ``nbytes`` of device memory until the next layout, which frees it first and allocates into
+        it (the caching allocator keeps the freed block for it). A serving engine that sizes its own
+        memory from what the model holds after loading (vLLM's KV cache) then accounts for the planned
+        layout before any plan exists (see [Note: a budget for the weights alone] in plan_policy.py)."""
+        self.reserved = None
+        if nbytes > 0:
+            self.reserved = allocate_device_bytes(nbytes, self.runtime.device)
 
     def set_host_budget(self, host: HostBudget) -> None:
         """Bound the pinned host bytes (offload() calls this once, before the first layout): pins the packs
@@ -226,6 +236,7 @@ class DeviceStore:
             unit.cells = ()
             unit.placement = Placement.HOST
         self.arena = None
+        self.reserved = None  # the new layout takes its place
         self.owner = []
         return kept
 
@@ -338,8 +349,9 @@ class DeviceStore:
         return 0 if self.arena is None else self.arena.numel()
 
     def device_bytes_held(self) -> int:
-        """Device bytes held for units: the arena and resident units' storage."""
-        return self.arena_bytes() + sum(u.nbytes for u in self.units if u.resident)
+        """Device bytes held for units: the arena, resident units' storage and the reserve."""
+        reserved = 0 if self.reserved is None else self.reserved.numel()
+        return self.arena_bytes() + reserved + sum(u.nbytes for u in self.units if u.resident)
 
     def host_bytes_held(self) -> int:
         """Host bytes held for units: their packs (a shared pack counts its range of the segment)."""
@@ -386,6 +398,7 @@ class DeviceStore:
                 unit.pack.free()
                 unit.pack = None
         self.arena = None
+        self.reserved = None
         self.owner = []
 
     def __repr__(self) -> str:

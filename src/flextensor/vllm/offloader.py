@@ -10,6 +10,9 @@ vLLM asks the installed offloader for three things, and this class answers them 
 * ``post_init``: once the model is loaded, ``flextensor.offload`` packs the units into (pinned) host
   memory and allocates the arena. The loader calls it (vLLM's CPU runner and 0.26's V2 GPU runner never
   do); a GPU runner may call it again: the second call does nothing.
+* The budget: vLLM sizes its KV cache from the memory the model holds after loading, so the budget covers
+  the weights alone, and on a GPU the loader holds the budget's bytes in reserve until the first plan's
+  layout takes their place (:func:`budget_weights_only`; [Note: a budget for the weights alone]).
 * ``sync_prev_onload`` / ``join_after_forward``: vLLM's CUDA-graph wrappers call them before a capture or
   replay, and inside a capture after the captured piece: the compute stream waits for flextensor's copy
   stream, so copies queued before (the previous step's prefetches) land first, and a capture never ends
@@ -18,6 +21,7 @@ vLLM asks the installed offloader for three things, and this class answers them 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,8 +32,51 @@ from vllm.model_executor.offloader.base import BaseOffloader
 
 from flextensor.api import engine_of, offload
 from flextensor.config import OffloadConfig
+from flextensor.errors import BudgetError
+from flextensor.layout import UNIT_ALIGNMENT, provisional_arena_bytes
+from flextensor.sizes import align_up, format_bytes
 
-__all__ = ["FlexTensorOffloader", "keep_linear_weights", "run_uncompiled_while_learning"]
+__all__ = [
+    "FlexTensorOffloader",
+    "budget_weights_only",
+    "keep_linear_weights",
+    "run_uncompiled_while_learning",
+]
+
+
+def budget_weights_only(model: nn.Module) -> None:
+    """Make ``model``'s budget cover its weights on the device alone (vLLM accounts for its activations and
+    KV cache itself), refuse a budget below the smallest plan now rather than at the first planned step,
+    and on a GPU hold the budget's bytes (the whole model's without a budget) until the first plan."""
+    engine = engine_of(model)
+    store, policy = engine.store, engine.policy
+    device = store.runtime.device
+    streamed = {id(param) for unit in store.units for _, param, _ in unit.parameters}
+    seen: set[int] = set()
+    fixed = 0
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if id(tensor) in streamed or tensor.device.type != device.type or tensor.numel() == 0:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:  # tied weights count once
+            seen.add(storage.data_ptr())
+            fixed += storage.nbytes()
+    policy.count_weights_only(fixed)
+    sizes = [unit.nbytes for unit in store.units]
+    in_flight = provisional_arena_bytes(sizes)
+    budget = policy.budget_bytes
+    if budget is not None and budget < fixed + in_flight:
+        raise BudgetError(
+            f"gpu_memory_budget {format_bytes(budget)} is below the {format_bytes(fixed + in_flight)} the "
+            f"smallest plan needs under vLLM: the weights outside the decoder layers "
+            f"({format_bytes(fixed)}) and two of the largest layers in flight ({format_bytes(in_flight)}); "
+            "raise the budget (under vLLM it counts the weights alone; vLLM sizes the KV cache and "
+            "activations from what is left)"
+        )
+    if device.type == "cuda":
+        whole = fixed + sum(align_up(n, UNIT_ALIGNMENT) for n in sizes)
+        target = whole if budget is None else min(budget, whole)
+        store.hold_in_reserve(target - fixed - store.device_bytes_held())
 
 
 def run_uncompiled_while_learning(model: nn.Module) -> None:
@@ -127,6 +174,7 @@ class FlexTensorOffloader(BaseOffloader):
         # place, so nothing is lost by it).
         engine.hooks.order_by_inputs = True
         engine.unguard_parameters()
+        budget_weights_only(model)
         self.offloaded = True
         run_uncompiled_while_learning(model)
 

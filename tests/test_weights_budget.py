@@ -1,0 +1,78 @@
+"""A budget for the weights alone (a serving engine sizes the rest; see [Note: a budget for the weights
+alone] in plan_policy.py): plans count the weights outside units instead of everything allocated at a
+step's start, and the device store holds the budget's bytes in reserve until the first plan's layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flextensor
+from engine_helpers import CPU, LEARN, run_forwards
+from flextensor.api import engine_of
+from flextensor.device import DeviceRuntime
+from flextensor.errors import BudgetError
+from flextensor.layout import UNIT_ALIGNMENT
+from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan_policy import PlanPolicy
+from spec_model import make_spec_model, spec_tokens
+
+SLOT = 64 * UNIT_ALIGNMENT
+WEIGHTS_OUTSIDE_UNITS = 3 * SLOT
+KV_CACHE = 1000 * SLOT
+"""What a serving engine allocated after loading: far more than the budget."""
+
+
+def served_step() -> Measurements:
+    """Eight one-slot layers, measured while the KV cache was allocated."""
+    return Measurements(
+        units=tuple(UnitMeasurement(f"layers.{i}", SLOT, 1e-3) for i in range(8)),
+        link=LinkModel.constant(SLOT / 2e-3),
+        baseline_bytes=WEIGHTS_OUTSIDE_UNITS + KV_CACHE,
+        activation_peak_bytes=4 * SLOT,
+    )
+
+
+def test_a_weights_budget_plans_without_the_memory_the_serving_engine_holds() -> None:
+    budget = WEIGHTS_OUTSIDE_UNITS + 5 * SLOT
+    policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), budget)
+    with pytest.raises(BudgetError, match="other tensors on the device"):
+        policy.make_plan(served_step())  # as measured, the KV cache counts
+    policy.count_weights_only(WEIGHTS_OUTSIDE_UNITS)
+    plan = policy.make_plan(served_step())
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_peak_bytes > budget - SLOT  # the whole budget goes to weights
+    assert len(plan.streamed) >= 3 and plan.resident  # two in flight at least, the rest resident
+
+
+def test_a_weights_budget_below_the_smallest_plan_is_refused() -> None:
+    policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), WEIGHTS_OUTSIDE_UNITS + SLOT)
+    policy.count_weights_only(WEIGHTS_OUTSIDE_UNITS)
+    with pytest.raises(BudgetError, match="two largest units in flight"):
+        policy.make_plan(served_step())
+
+
+def test_without_a_budget_a_weights_budget_has_no_device_limit() -> None:
+    policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), None)
+    policy.count_weights_only(WEIGHTS_OUTSIDE_UNITS)
+    assert policy.memory_limit() is None
+
+
+def test_the_reserve_is_held_until_the_first_plan_and_the_layout_takes_its_place() -> None:
+    tokens = spec_tokens()
+    with torch.no_grad():
+        want = make_spec_model(n_layers=6)(tokens)
+    model = flextensor.offload(
+        make_spec_model(n_layers=6), flextensor.OffloadConfig(include_patterns=["layers.*"], **CPU)
+    )
+    store = engine_of(model).store
+    learning = store.device_bytes_held()
+    store.hold_in_reserve(10 * 2**20)
+    assert store.device_bytes_held() == learning + 10 * 2**20
+    outs = run_forwards(model, tokens, LEARN)
+    assert flextensor.phase(model) == "inference"
+    assert store.reserved is None
+    assert store.device_bytes_held() == flextensor.report(model).device_bytes_held
+    for out in outs:
+        assert torch.equal(out, want)
+    flextensor.release(model)
