@@ -105,10 +105,17 @@ def main() -> None:
     prefill_s = min(timed(llm, prompts, prefill) for _ in range(2))
     total_s = min(timed(llm, prompts, full) for _ in range(2))
     decode_s = max(total_s - prefill_s, 1e-9)
+    import torch
+    import vllm
+
     row = {
+        "when": time.strftime("%Y-%m-%dT%H:%M"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "vllm": vllm.__version__,
         "method": args.method,
         "batch": args.batch,
         "prompt_len": args.prompt_len,
+        "decode_tokens": args.decode_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "budget": args.budget if args.method == "flextensor" else None,
         "kv_cache_gb": args.kv_cache_gb,

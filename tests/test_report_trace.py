@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 import flextensor
+from engine_helpers import offload_with_placements
 from flextensor.errors import NotOffloadedError
 from flextensor.reporting import Report
 from real_models import llama_inputs, tiny_llama
@@ -180,3 +181,20 @@ def test_trace_replaces_atomically_and_refuses_before_steady_state(
     with pytest.raises(NotOffloadedError, match="steady state"):
         flextensor.trace(fresh, tmp_path / "none.json")
     assert not (tmp_path / "none.json").exists()
+
+
+def test_each_plan_reports_its_own_recorded_step() -> None:
+    """A served model switches plans between input shapes (prefill, decode): the report describes the
+    plan in place, recorded at its first step, not a refusal because another plan ran last."""
+    trading = {
+        8: ("embed", "layers.0", "layers.1", "lm_head"),
+        32: ("embed", "layers.1", "layers.3", "lm_head"),
+    }
+    model, tokens, refs = offload_with_placements(trading)
+    with torch.no_grad():
+        for seq in (8, 32):
+            model(tokens[seq])  # each plan's first step, recorded
+        for seq in (8, 32, 8):
+            assert torch.equal(model(tokens[seq]), refs[seq])
+            resident = {u.name for u in flextensor.report(model).units if u.resident}
+            assert resident == set(trading[seq]) & set(flextensor.offload_units(model))

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 TIGHT = {"gpu_memory_budget": "2400KiB"}
@@ -104,9 +105,14 @@ def assert_every_layer_streamed(reports: list[dict]) -> None:
     assert {u["placement"] for u in units} == {"streamed"}
 
 
+LOGPROB_TOLERANCE = 1e-3 if torch.cuda.is_available() else 1e-4
+"""Float32 rounding of differently fused graphs, carried through four layers with large random weights
+(initializer_range 0.2): within 1e-4 on a CPU, 3.9e-4 seen on the H200 (2026-12-04, compiled)."""
+
+
 def assert_close_logprobs(got: list, want: list) -> None:
     for got_prompt, want_prompt in zip(got, want, strict=True):
-        assert got_prompt == pytest.approx(want_prompt, abs=1e-4)
+        assert got_prompt == pytest.approx(want_prompt, abs=LOGPROB_TOLERANCE)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -84,7 +84,9 @@ class OffloadEngine:
         self.signature: tuple[str, ...] | None = None  # the inputs the current layout serves
         self.laid_out = False  # units have the device bytes the phase needs; else the next forward lays out
         self.forwards = 0
-        self.last_recording: StepRecorder | None = None
+        # The first steady step of each plan, recorded for report() and trace(), by input signature: a
+        # served model switches plans between prefill and decode steps, each reported as recorded.
+        self.recordings: dict[tuple[str, ...], StepRecorder] = {}
         ensure_layout = weakref.WeakMethod(self._ensure_layout)  # no cycle: see ModelHooks
         self._outside = OutsideForwardStep(self.store, lambda: ensure_layout()())
         self._steady = steady_step(self.store)
@@ -193,7 +195,9 @@ class OffloadEngine:
             return CheckedStep(self.store, recorder, checks)
         if self.phase is Phase.PROFILING:
             return ProfilingStep(self.store)
-        if self._record_next:
+        if (
+            self._record_next or self.signature not in self.recordings
+        ):  # each plan's first step, and on demand
             self._record_next = False
             return RecordedStep(self.store, StepRecorder(self.runtime, self.forwards))
         if profiler_running():
@@ -261,7 +265,7 @@ class OffloadEngine:
                 return
             self._check_next = False
             driver.recorder.finish()
-            self.last_recording = driver.recorder
+            self._keep_recording(driver.recorder)
             self._after_check(result)
         elif isinstance(driver, ProfilingStep):
             sample = driver.end()
@@ -277,7 +281,7 @@ class OffloadEngine:
         elif isinstance(driver, RecordedStep):
             if error is None:
                 driver.recorder.finish()
-                self.last_recording = driver.recorder
+                self._keep_recording(driver.recorder)
             else:
                 self._record_next = True  # a partial step says nothing: record the next one
 
@@ -290,6 +294,15 @@ class OffloadEngine:
 
     def record_next_step(self) -> None:
         self._record_next = True
+
+    def _keep_recording(self, recorder: StepRecorder) -> None:
+        if self.signature is not None:
+            self.recordings[self.signature] = recorder
+
+    @property
+    def last_recording(self) -> StepRecorder | None:
+        """The recorded step of the plan in place (None while learning, or before its first step)."""
+        return None if self.signature is None else self.recordings.get(self.signature)
 
     # -- discovery ----------------------------------------------------------------------------------------
 
@@ -389,7 +402,8 @@ class OffloadEngine:
             raise
         self.policy.layout_landed()
         self.signature = measurements.input_shapes
-        self._record_next = True  # the first steady step is recorded for report() and trace()
+        self.recordings.pop(self.signature, None)  # made under an earlier plan for these inputs: the next
+        # step is recorded (see _driver)
         logger.info("plan: %s", plan.summary())
 
     def _apply(self, entry: PlanEntry) -> None:

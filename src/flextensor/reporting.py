@@ -300,7 +300,8 @@ def report(model: nn.Module) -> Report | PipelineReport:
     """Per-unit placement and timing of ``model``'s latest recorded steady step, with totals; of a
     pipeline, one per component that has run a steady step.
 
-    The first steady forward after each plan is recorded automatically; call
+    The report describes the plan in place: the one the last forward's input shapes use (each plan keeps
+    its own recording). The first steady forward after each plan is recorded automatically; call
     ``flextensor.record_next_step(model)`` and run a forward to report on a later one. Raises
     NotOffloadedError when the model is not offloaded, or has not run a steady forward yet.
     """
