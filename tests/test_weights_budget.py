@@ -76,3 +76,39 @@ def test_the_reserve_is_held_until_the_first_plan_and_the_layout_takes_its_place
     for out in outs:
         assert torch.equal(out, want)
     flextensor.release(model)
+
+
+def test_vllm_offloader_replans_a_profile_for_the_weights_alone(tmp_path) -> None:
+    """A server restarted with another budget re-plans from the saved measurements, which were taken
+    while vLLM's KV cache was allocated (here: a baseline far over the budget): the re-plan counts the
+    weights alone, as the first run's plans did, instead of refusing the budget."""
+    import json
+
+    pytest.importorskip("vllm")  # CI installs it; the plugin's tests fail there when it is missing
+    from flextensor.vllm.offloader import FlexTensorOffloader
+
+    tokens = spec_tokens()
+    layers = [f"layers.{i}" for i in range(4)]  # what the offloader names vLLM's decoder layers
+    model = flextensor.offload(
+        make_spec_model(),
+        flextensor.OffloadConfig(include_patterns=layers, gpu_memory_budget=2**20, **CPU),
+    )
+    run_forwards(model, tokens, LEARN)
+    path = tmp_path / "served.ftprofile.json"
+    flextensor.save_profile(model, path)
+    flextensor.release(model)
+    saved = json.loads(path.read_text())
+    saved["measurements"]["baseline_bytes"] = 2**40  # what a KV cache on the device made it
+    path.write_text(json.dumps(saved))
+
+    served = make_spec_model()
+    config = flextensor.OffloadConfig(gpu_memory_budget=2**21, profile=path, **CPU)  # another budget
+    offloader = FlexTensorOffloader(config, torch.device("cpu"))
+    offloader.wrap_modules(iter(served.layers))
+    offloader.model = served
+    offloader.post_init()
+    assert flextensor.phase(served) == "inference"  # from the profile, planned again
+    with torch.no_grad():
+        want = make_spec_model()(tokens)
+        assert torch.equal(served(tokens), want)
+    flextensor.release(served)

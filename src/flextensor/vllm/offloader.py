@@ -34,6 +34,7 @@ from flextensor.api import engine_of, offload
 from flextensor.config import OffloadConfig
 from flextensor.errors import BudgetError
 from flextensor.layout import UNIT_ALIGNMENT, provisional_arena_bytes
+from flextensor.profile_reuse import start_from_profile
 from flextensor.sizes import align_up, format_bytes
 
 __all__ = [
@@ -166,7 +167,9 @@ class FlexTensorOffloader(BaseOffloader):
                     'decoder layers; name them in "include_patterns" under "flextensor" in additional_config'
                 )
             config = config.model_copy(update={"include_patterns": self.unit_patterns(model)})
-        offload(model, config)
+        # The profile is adopted once the budget counts the weights alone: a profile planned for another
+        # budget is planned again here, and must not count the KV cache its measurements saw.
+        offload(model, config.model_copy(update={"profile": None}))
         engine = engine_of(model)
         # vLLM's compiled graphs read some weights through .data (its RMSNorm): order the compiled ops by
         # the layers' activations (see compiled.written_inputs), and give the parameters their own class
@@ -175,6 +178,8 @@ class FlexTensorOffloader(BaseOffloader):
         engine.hooks.order_by_inputs = True
         engine.unguard_parameters()
         budget_weights_only(model)
+        if config.profile is not None:
+            start_from_profile(engine, config.profile)
         self.offloaded = True
         run_uncompiled_while_learning(model)
 
