@@ -11,8 +11,9 @@ vLLM asks the installed offloader for three things, and this class answers them 
   memory and allocates the arena. The loader calls it (vLLM's CPU runner and 0.26's V2 GPU runner never
   do); a GPU runner may call it again: the second call does nothing.
 * The budget: vLLM sizes its KV cache from the memory the model holds after loading, so the budget covers
-  the weights alone, and on a GPU the loader holds the budget's bytes in reserve until the first plan's
-  layout takes their place (:func:`budget_weights_only`; [Note: a budget for the weights alone]).
+  the weights alone, and on a GPU the loader holds the budget's bytes in reserve until vLLM has measured
+  them; flextensor's next layout frees them (:func:`budget_weights_only`; [Note: a budget for the weights
+  alone]).
 * ``sync_prev_onload`` / ``join_after_forward``: vLLM's CUDA-graph wrappers call them before a capture or
   replay, and inside a capture after the captured piece: the compute stream waits for flextensor's copy
   stream, so copies queued before (the previous step's prefetches) land first, and a capture never ends
@@ -48,7 +49,7 @@ __all__ = [
 def budget_weights_only(model: nn.Module) -> None:
     """Make ``model``'s budget cover its weights on the device alone (vLLM accounts for its activations and
     KV cache itself), refuse a budget below the smallest plan now rather than at the first planned step,
-    and on a GPU hold the budget's bytes (the whole model's without a budget) until the first plan."""
+    and on a GPU hold the budget's bytes (the whole model's without a budget) until the next layout."""
     engine = engine_of(model)
     store, policy = engine.store, engine.policy
     device = store.runtime.device
