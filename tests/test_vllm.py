@@ -33,8 +33,10 @@ every layer streams."""
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def run_engine(model_dir: Path, out: Path, *args: str, multiprocessing: bool = False) -> dict:
-    env = dict(os.environ)
+def run_engine(
+    model_dir: Path, out: Path, *args: str, multiprocessing: bool = False, env_extra: dict | None = None
+) -> dict:
+    env = dict(os.environ, **(env_extra or {}))
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
     env["VLLM_CACHE_ROOT"] = str(out.parent / "vllm-cache")  # no compiled graph from another run
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -151,6 +153,21 @@ def test_multiprocess_engine_streams_the_same(engines) -> None:
     assert got["tokens"] == want["tokens"]
     for call in range(2):
         assert_close_logprobs(got["logprobs"][call], want["logprobs"][call])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's V2 model runner is a GPU runner")
+def test_v2_model_runner_streams_the_same(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's V2 GPU runner never installs an offloader nor calls post_init (0.26): the loader does both.
+    Eager, every layer streamed: bit for bit the same runner with every layer resident."""
+    v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    for run in ("streamed", "resident"):
+        (tmp_path / run).mkdir()
+    streamed = ("--flextensor", json.dumps(TIGHT), "--report")
+    got = run_engine(tiny_llama, tmp_path / "streamed" / "out.json", *streamed, env_extra=v2)
+    want = run_engine(tiny_llama, tmp_path / "resident" / "out.json", "--flextensor", "{}", env_extra=v2)
+    assert_every_layer_streamed(got["reports"])
+    assert got["tokens"] == want["tokens"]
+    assert got["logprobs"] == want["logprobs"]
 
 
 def test_bad_options_are_refused_and_leave_vllm_as_it_was(tiny_llama: Path, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def test_a_weights_budget_plans_without_the_memory_the_serving_engine_holds() ->
     policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), budget)
     with pytest.raises(BudgetError, match="other tensors on the device"):
         policy.make_plan(served_step())  # as measured, the KV cache counts
-    policy.count_weights_only(WEIGHTS_OUTSIDE_UNITS)
+    policy.count_weights_only(lambda: WEIGHTS_OUTSIDE_UNITS)
     plan = policy.make_plan(served_step())
     assert plan.predicted_peak_bytes <= budget
     assert plan.predicted_peak_bytes > budget - SLOT  # the whole budget goes to weights
@@ -47,18 +47,18 @@ def test_a_weights_budget_plans_without_the_memory_the_serving_engine_holds() ->
 
 def test_a_weights_budget_below_the_smallest_plan_is_refused() -> None:
     policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), WEIGHTS_OUTSIDE_UNITS + SLOT)
-    policy.count_weights_only(WEIGHTS_OUTSIDE_UNITS)
+    policy.count_weights_only(lambda: WEIGHTS_OUTSIDE_UNITS)
     with pytest.raises(BudgetError, match="two largest units in flight"):
         policy.make_plan(served_step())
 
 
 def test_without_a_budget_a_weights_budget_has_no_device_limit() -> None:
     policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), None)
-    policy.count_weights_only(WEIGHTS_OUTSIDE_UNITS)
+    policy.count_weights_only(lambda: WEIGHTS_OUTSIDE_UNITS)
     assert policy.memory_limit() is None
 
 
-def test_the_reserve_is_held_until_the_first_plan_and_the_layout_takes_its_place() -> None:
+def test_the_reserve_is_held_until_the_next_layout_frees_it_first() -> None:
     tokens = spec_tokens()
     with torch.no_grad():
         want = make_spec_model(n_layers=6)(tokens)
@@ -69,12 +69,42 @@ def test_the_reserve_is_held_until_the_first_plan_and_the_layout_takes_its_place
     learning = store.device_bytes_held()
     store.hold_in_reserve(10 * 2**20)
     assert store.device_bytes_held() == learning + 10 * 2**20
-    outs = run_forwards(model, tokens, LEARN)
-    assert flextensor.phase(model) == "inference"
+    outs = run_forwards(model, tokens, 1)  # discovery ends with the layout to profile, which frees it
     assert store.reserved is None
+    outs += run_forwards(model, tokens, LEARN)
+    assert flextensor.phase(model) == "inference"
     assert store.device_bytes_held() == flextensor.report(model).device_bytes_held
     for out in outs:
         assert torch.equal(out, want)
+    flextensor.release(model)
+
+
+class TiedHead(torch.nn.Module):
+    """Layers to stream, a head tied to the embedding, a buffer and an empty buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(16))
+        self.register_buffer("unused", torch.empty(0))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x * self.scale[0])
+
+
+def test_weights_outside_units_count_tied_weights_once_and_skip_the_units() -> None:
+    pytest.importorskip("vllm")
+    from flextensor.vllm.budget import weights_outside_units
+
+    model = flextensor.offload(TiedHead(), flextensor.OffloadConfig(include_patterns=["layers.*"], **CPU))
+    assert weights_outside_units(model) == 64 * 32 * 4 + 16 * 4  # embedding (= head) and the buffer
     flextensor.release(model)
 
 

@@ -383,6 +383,7 @@ class OffloadEngine:
             "profiling it again; save a new profile once it reaches steady state"
         )
         self.plans.clear()
+        self.recordings.clear()
         self.current = None
         known = set(result.order)
         order = [*result.order, *(u for u in self.order if u not in known)]
@@ -390,6 +391,7 @@ class OffloadEngine:
 
     def install_plan(self, measurements: Measurements, plan: Plan | None = None) -> None:
         """Plan from ``measurements`` (unless given), lay it out, and enter steady state."""
+        measurements = self.policy.planned(measurements)  # as plans count them (what a profile saves)
         if plan is None:
             plan = self.policy.make_plan(measurements)
         self.order = [self.units[u.name] for u in measurements.units]

@@ -8,15 +8,16 @@ units stay resident while a new input shape is profiled.
 [Note: a budget for the weights alone] A serving engine (vLLM) sizes its own device memory: it measures
 the model's weights after loading and its activations in a warm-up step, and gives the rest to its KV
 cache. Under it the budget covers only what flextensor places: the model's weights on the device (those
-that never stream, resident units, the arena). The plans then count the weights outside units measured
-once after loading, instead of everything allocated at a step's start (which would count the KV cache),
-and no activations (the engine accounts for them). See :meth:`PlanPolicy.count_weights_only`.
+that never stream, resident units, the arena). The plans then count the model's weights on the device
+outside the units' storage (read at each plan: a weight kept resident since counts) instead of everything
+allocated at a step's start (which would count the KV cache), and no activations (the engine accounts
+for them); a profile saves its measurements counted so. See :meth:`PlanPolicy.count_weights_only`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,19 +58,20 @@ class PlanPolicy:
         self.budget_bytes = budget_bytes
         self.failed_peak_bytes: int | None = None  # predicted peak of a plan whose layout ran out of memory
         self.host: HostPlan | None = None  # set when a host budget cannot pin every pack (host_budget.py)
-        self.fixed_weight_bytes: int | None = None  # set by count_weights_only
+        self.fixed_weight_bytes: Callable[[], int] | None = None  # set by count_weights_only
 
-    def count_weights_only(self, fixed_weight_bytes: int) -> None:
-        """Plan for the weights alone: ``fixed_weight_bytes`` never stream (see [Note: a budget for the
-        weights alone]). Without a budget, plans are then made without a device limit: the serving
-        engine accounted for the whole model when it loaded."""
+    def count_weights_only(self, fixed_weight_bytes: Callable[[], int]) -> None:
+        """Plan for the weights alone: ``fixed_weight_bytes()`` (asked at each plan: a weight may leave
+        the stream for device storage of its own) never stream; see [Note: a budget for the weights
+        alone]. Without a budget, plans are then made without a device limit: the serving engine
+        accounted for the whole model when it loaded."""
         self.fixed_weight_bytes = fixed_weight_bytes
 
     def planned(self, measurements: Measurements) -> Measurements:
         """``measurements`` as the plans count them: as measured, or for the weights alone."""
         if self.fixed_weight_bytes is None:
             return measurements
-        return replace(measurements, baseline_bytes=self.fixed_weight_bytes, activation_peak_bytes=0)
+        return replace(measurements, baseline_bytes=self.fixed_weight_bytes(), activation_peak_bytes=0)
 
     def memory_limit(self) -> int | None:
         """What a plan must fit: the budget, or without one the device's share (None when the device's
@@ -128,7 +130,7 @@ class PlanPolicy:
         if limit is None or not resident:
             return set(resident)
         if self.fixed_weight_bytes is not None:
-            reserve, fixed = 0, self.fixed_weight_bytes
+            reserve, fixed = 0, self.fixed_weight_bytes()
         else:
             reserve = max((e.measurements.activation_peak_bytes for e in plans.values()), default=0)
             fixed = max(0, self.runtime.memory_allocated() - device_bytes_held)  # weights, user tensors

@@ -12,8 +12,7 @@ vLLM asks the installed offloader for three things, and this class answers them 
   do); a GPU runner may call it again: the second call does nothing.
 * The budget: vLLM sizes its KV cache from the memory the model holds after loading, so the budget covers
   the weights alone, and on a GPU the loader holds the budget's bytes in reserve until vLLM has measured
-  them; flextensor's next layout frees them (:func:`budget_weights_only`; [Note: a budget for the weights
-  alone]).
+  them; flextensor's next layout frees them (budget.py).
 * ``sync_prev_onload`` / ``join_after_forward``: vLLM's CUDA-graph wrappers call them before a capture or
   replay, and inside a capture after the captured piece: the compute stream waits for flextensor's copy
   stream, so copies queued before (the previous step's prefetches) land first, and a capture never ends
@@ -22,7 +21,6 @@ vLLM asks the installed offloader for three things, and this class answers them 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,54 +29,17 @@ from torch import nn
 from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.offloader.base import BaseOffloader
 
-from flextensor.api import engine_of, offload
+from flextensor.api import engine_of, offload, release
 from flextensor.config import OffloadConfig
-from flextensor.errors import BudgetError
-from flextensor.layout import UNIT_ALIGNMENT, provisional_arena_bytes
 from flextensor.profile_reuse import start_from_profile
-from flextensor.sizes import align_up, format_bytes
+
+from .budget import count_weights_only, hold_budget_in_reserve
 
 __all__ = [
     "FlexTensorOffloader",
-    "budget_weights_only",
     "keep_linear_weights",
     "run_uncompiled_while_learning",
 ]
-
-
-def budget_weights_only(model: nn.Module) -> None:
-    """Make ``model``'s budget cover its weights on the device alone (vLLM accounts for its activations and
-    KV cache itself), refuse a budget below the smallest plan now rather than at the first planned step,
-    and on a GPU hold the budget's bytes (the whole model's without a budget) until the next layout."""
-    engine = engine_of(model)
-    store, policy = engine.store, engine.policy
-    device = store.runtime.device
-    streamed = {id(param) for unit in store.units for _, param, _ in unit.parameters}
-    seen: set[int] = set()
-    fixed = 0
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        if id(tensor) in streamed or tensor.device.type != device.type or tensor.numel() == 0:
-            continue
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:  # tied weights count once
-            seen.add(storage.data_ptr())
-            fixed += storage.nbytes()
-    policy.count_weights_only(fixed)
-    sizes = [unit.nbytes for unit in store.units]
-    in_flight = provisional_arena_bytes(sizes)
-    budget = policy.budget_bytes
-    if budget is not None and budget < fixed + in_flight:
-        raise BudgetError(
-            f"gpu_memory_budget {format_bytes(budget)} is below the {format_bytes(fixed + in_flight)} the "
-            f"smallest plan needs under vLLM: the weights outside the decoder layers "
-            f"({format_bytes(fixed)}) and two of the largest layers in flight ({format_bytes(in_flight)}); "
-            "raise the budget (under vLLM it counts the weights alone; vLLM sizes the KV cache and "
-            "activations from what is left)"
-        )
-    if device.type == "cuda":
-        whole = fixed + sum(align_up(n, UNIT_ALIGNMENT) for n in sizes)
-        target = whole if budget is None else min(budget, whole)
-        store.hold_in_reserve(target - fixed - store.device_bytes_held())
 
 
 def run_uncompiled_while_learning(model: nn.Module) -> None:
@@ -178,9 +139,14 @@ class FlexTensorOffloader(BaseOffloader):
         # place, so nothing is lost by it).
         engine.hooks.order_by_inputs = True
         engine.unguard_parameters()
-        budget_weights_only(model)
-        if config.profile is not None:
-            start_from_profile(engine, config.profile)
+        try:
+            count_weights_only(model)
+            if config.profile is not None:
+                start_from_profile(engine, config.profile)
+            hold_budget_in_reserve(model)
+        except BaseException:
+            release(model, device="cpu")  # vLLM drops the model: free its pinned packs and arena now
+            raise
         self.offloaded = True
         run_uncompiled_while_learning(model)
 
