@@ -54,9 +54,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs.update(
             load_format="flextensor",
             additional_config={"flextensor": {"gpu_memory_budget": args.budget}},
-            worker_extension_cls="flextensor.vllm.WorkerExtension",
             compilation_config={"cudagraph_mode": "NONE"},  # see docs/vllm.md, limits
         )
+    # Every method: the workers' device memory (flextensor_device_memory), to compare at equal memory.
+    kwargs["worker_extension_cls"] = "flextensor.vllm.WorkerExtension"
     if args.eager:
         kwargs["enforce_eager"] = True
     return kwargs
@@ -124,6 +125,9 @@ def main() -> None:
         "prefill_tokens_per_s": round(args.batch * args.prompt_len / prefill_s, 1),
         "decode_tokens_per_s": round(args.batch * (args.decode_tokens - 1) / decode_s, 1),
     }
+    memory = llm.collective_rpc("flextensor_device_memory")[0]
+    row["gpu_allocated_gb"] = round(memory["allocated"] / 1e9, 2)  # weights, KV cache, what stays
+    row["gpu_peak_allocated_gb"] = round(memory["peak"] / 1e9, 2)
     if args.method == "flextensor":
         report = llm.collective_rpc("flextensor_report")[0]
         row["streamed_units"] = sum(u["placement"] == "streamed" for u in report["units"])

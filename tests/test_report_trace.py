@@ -198,3 +198,20 @@ def test_each_plan_reports_its_own_recorded_step() -> None:
             assert torch.equal(model(tokens[seq]), refs[seq])
             resident = {u.name for u in flextensor.report(model).units if u.resident}
             assert resident == set(trading[seq]) & set(flextensor.offload_units(model))
+
+
+def test_a_plan_not_yet_run_reports_the_latest_step_when_its_units_sit_where_they_did() -> None:
+    """The forward that made a plan was a profiling one (a server's last step can be): until the plan's
+    own first step, the report shows the latest recorded step, as every unit still streams."""
+    model = _offloaded(ALL_STREAMED)
+    _to_steady(model)
+    recorded = flextensor.report(model).forward
+    with torch.no_grad():
+        while True:  # new shapes: profiled until their plan is made, by the last of these forwards
+            model(llama_inputs(seq=32))
+            if flextensor.phase(model) == "inference":
+                break
+    assert flextensor.report(model).forward == recorded
+    with torch.no_grad():
+        model(llama_inputs(seq=32))  # the new plan's first step: its own
+    assert flextensor.report(model).forward == flextensor.status(model).forwards - 1

@@ -149,6 +149,12 @@ def test_multiprocess_engine_streams_the_same(engines) -> None:
     through collective_rpc."""
     got = engines("multiprocess")
     assert_every_layer_streamed(got["reports"])
+    (memory,) = got["memory"]  # any load format's workers answer it (benchmarks compare memory with it)
+    assert set(memory) == {"allocated", "peak", "reserved"}
+    if torch.cuda.is_available():
+        assert 0 < memory["allocated"] <= min(memory["peak"], memory["reserved"])
+    else:
+        assert memory == {"allocated": 0, "peak": 0, "reserved": 0}
     want = engines("resident")
     assert got["tokens"] == want["tokens"]
     for call in range(2):

@@ -73,6 +73,7 @@ def generate(
         )
     if report:
         results["reports"] = llm.collective_rpc("flextensor_report")
+        results["memory"] = llm.collective_rpc("flextensor_device_memory")
     if save_profile is not None:
         results["profiles"] = llm.collective_rpc("flextensor_save_profile", args=(save_profile,))
     return results

@@ -87,6 +87,7 @@ class OffloadEngine:
         # The first steady step of each plan, recorded for report() and trace(), by input signature: a
         # served model switches plans between prefill and decode steps, each reported as recorded.
         self.recordings: dict[tuple[str, ...], StepRecorder] = {}
+        self.latest_recording: StepRecorder | None = None
         ensure_layout = weakref.WeakMethod(self._ensure_layout)  # no cycle: see ModelHooks
         self._outside = OutsideForwardStep(self.store, lambda: ensure_layout()())
         self._steady = steady_step(self.store)
@@ -195,9 +196,7 @@ class OffloadEngine:
             return CheckedStep(self.store, recorder, checks)
         if self.phase is Phase.PROFILING:
             return ProfilingStep(self.store)
-        if (
-            self._record_next or self.signature not in self.recordings
-        ):  # each plan's first step, and on demand
+        if self._record_next or self.signature not in self.recordings:  # each plan's first step too
             self._record_next = False
             return RecordedStep(self.store, StepRecorder(self.runtime, self.forwards))
         if profiler_running():
@@ -296,13 +295,18 @@ class OffloadEngine:
         self._record_next = True
 
     def _keep_recording(self, recorder: StepRecorder) -> None:
+        self.latest_recording = recorder
         if self.signature is not None:
             self.recordings[self.signature] = recorder
 
     @property
     def last_recording(self) -> StepRecorder | None:
-        """The recorded step of the plan in place (None while learning, or before its first step)."""
-        return None if self.signature is None else self.recordings.get(self.signature)
+        """The recorded step of the plan in place; before that plan's first step (the forward that made
+        it was a profiling one), the latest step recorded under any plan, which ``report()`` uses only if
+        its units sit where they sit now."""
+        if self.signature is not None and self.signature in self.recordings:
+            return self.recordings[self.signature]
+        return self.latest_recording
 
     # -- discovery ----------------------------------------------------------------------------------------
 
@@ -384,6 +388,7 @@ class OffloadEngine:
         )
         self.plans.clear()
         self.recordings.clear()
+        self.latest_recording = None
         self.current = None
         known = set(result.order)
         order = [*result.order, *(u for u in self.order if u not in known)]

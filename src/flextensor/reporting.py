@@ -301,7 +301,8 @@ def report(model: nn.Module) -> Report | PipelineReport:
     pipeline, one per component that has run a steady step.
 
     The report describes the plan in place: the one the last forward's input shapes use (each plan keeps
-    its own recording). The first steady forward after each plan is recorded automatically; call
+    its own recording; before a new plan's first step, the latest recorded step if every unit still sits
+    where it did then). The first steady forward after each plan is recorded automatically; call
     ``flextensor.record_next_step(model)`` and run a forward to report on a later one. Raises
     NotOffloadedError when the model is not offloaded, or has not run a steady forward yet.
     """

@@ -19,6 +19,21 @@ class WorkerExtension:
 
         return report(self.model_runner.get_model()).to_dict()  # type: ignore[attr-defined]
 
+    def flextensor_device_memory(self) -> dict[str, int]:
+        """This worker's device memory as PyTorch's caching allocator counts it, in bytes: ``allocated``
+        now, its ``peak`` since the worker started, and ``reserved`` (allocated plus cached). Works with
+        any load format, so offloading methods can be compared at equal memory. Zeros on a CPU."""
+        import torch
+
+        device = getattr(self, "device", None)
+        if device is None or torch.device(device).type != "cuda":
+            return {"allocated": 0, "peak": 0, "reserved": 0}
+        return {
+            "allocated": torch.cuda.memory_allocated(device),
+            "peak": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+        }
+
     def flextensor_save_profile(self, path: str) -> str:
         """``flextensor.save_profile(model, path)`` of this worker's model (after a steady step); a
         ``{rank}`` in ``path`` becomes the worker's rank, for engines with several. Returns the path
