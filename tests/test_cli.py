@@ -15,6 +15,7 @@ import torch
 import flextensor
 from flextensor.cli import main, parse_budget
 from flextensor.errors import ConfigError
+from flextensor.profiling import EXTRA_FORWARDS
 from real_models import llama_inputs, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,7 +219,9 @@ def test_run_demo_falls_back_to_an_mlp_stack(monkeypatch: pytest.MonkeyPatch) ->
     result = run_demo("cpu", layers=3, hidden=32, steps=1, seq=4)
     assert result["model"].startswith("MLP stack")
     assert result["bitwise_equal"] is True and result["max_abs_diff"] == 0.0
-    assert result["forwards_to_steady"] == 2
+    # One discovery and one profiling forward; up to EXTRA_FORWARDS more when a loaded machine's timings
+    # disagree (see [Note: robust measurements] in profiling.py).
+    assert 2 <= result["forwards_to_steady"] <= 2 + EXTRA_FORWARDS
     # An all-resident plan holds the weights plus alignment padding (512 B per parameter): tiny here.
     assert 0 < result["offloaded_weights_bytes"] <= 1.25 * result["weights_bytes"]
     assert result["native_peak_bytes"] is None and result["offloaded_step_s"] > 0
