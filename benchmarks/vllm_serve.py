@@ -1,14 +1,15 @@
 """vLLM throughput with flextensor against vLLM's own offloading (issue 13, Must 6), one engine per process.
 
     python -m benchmarks.vllm_serve --save /tmp/llama8b          # Llama-3.1-8B config, random bf16 weights
-    python -m benchmarks.vllm_serve --model /tmp/llama8b --method flextensor --batch 1 --out results.jsonl
+    python -m benchmarks.vllm_serve --model /tmp/llama8b --method flextensor --batch 1,32 --out results.jsonl
 
 Methods, all at the same ``--gpu-memory-utilization`` (low enough that the 16 GB model does not fit):
 ``native`` (reference; give it a utilization where the model fits), ``uva`` (``cpu_offload_gb``),
 ``prefetch`` (``offload_backend="prefetch"``), ``flextensor`` (``load_format="flextensor"`` with
 ``--budget``). Prefill: ``batch`` prompts of ``--prompt-len`` tokens, one output token each. Decode:
 ``--decode-tokens`` tokens each, timed after the prefill. Each phase runs ``--warmup`` times first (the
-first steps of flextensor learn the model). Prints and appends one JSON line per run.
+first steps of flextensor learn the model). One engine measures every ``--batch`` size in turn. Prints and
+appends one JSON line per batch size.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         # The same KV cache for every method, whatever each one's weights take.
         "kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30),
-        "max_num_seqs": max(args.batch, 1),
+        "max_num_seqs": max(args.batches),
         "seed": 0,
     }
     if args.method == "uva":
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--save", help="write the random Llama-3.1-8B checkpoint here and exit")
     parser.add_argument("--model")
     parser.add_argument("--method", choices=["native", "uva", "prefetch", "flextensor"], default="flextensor")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", default="1", help="batch sizes, comma-separated: one engine runs each")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.11)
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/vllm_serve.jsonl")
     args = parser.parse_args()
+    args.batches = [int(b) for b in args.batch.split(",")]
     if args.save:
         save_random_llama(args.save)
         return
@@ -96,46 +98,53 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     start_s = time.perf_counter() - started
+    for batch in args.batches:
+        row = measure(llm, args, batch, SamplingParams, TokensPrompt)
+        row["engine_start_s"] = round(start_s, 1)
+        print(json.dumps(row), flush=True)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def measure(llm, args: argparse.Namespace, batch: int, SamplingParams, TokensPrompt) -> dict:
+    """Prefill and decode throughput of ``batch`` prompts on the running engine, as one result row."""
+    import torch
+    import vllm
+
     prompts = [
         TokensPrompt(prompt_token_ids=[(7 * b + 13 * i) % 32000 + 1 for i in range(args.prompt_len)])
-        for b in range(args.batch)
+        for b in range(batch)
     ]
     prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     full = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True, detokenize=False)
-    for _ in range(args.warmup):
+    for _ in range(args.warmup):  # flextensor learns each new step shape in its first steps
         timed(llm, prompts, full)
     prefill_s = min(timed(llm, prompts, prefill) for _ in range(2))
     total_s = min(timed(llm, prompts, full) for _ in range(2))
     decode_s = max(total_s - prefill_s, 1e-9)
-    import torch
-    import vllm
-
     row = {
         "when": time.strftime("%Y-%m-%dT%H:%M"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "vllm": vllm.__version__,
         "method": args.method,
-        "batch": args.batch,
+        "batch": batch,
         "prompt_len": args.prompt_len,
         "decode_tokens": args.decode_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "budget": args.budget if args.method == "flextensor" else None,
         "kv_cache_gb": args.kv_cache_gb,
         "eager": args.eager,
-        "engine_start_s": round(start_s, 1),
-        "prefill_tokens_per_s": round(args.batch * args.prompt_len / prefill_s, 1),
-        "decode_tokens_per_s": round(args.batch * (args.decode_tokens - 1) / decode_s, 1),
+        "prefill_tokens_per_s": round(batch * args.prompt_len / prefill_s, 1),
+        "decode_tokens_per_s": round(batch * (args.decode_tokens - 1) / decode_s, 1),
     }
     memory = llm.collective_rpc("flextensor_device_memory")[0]
     row["gpu_allocated_gb"] = round(memory["allocated"] / 1e9, 2)  # weights, KV cache, what stays
     row["gpu_peak_allocated_gb"] = round(memory["peak"] / 1e9, 2)
     if args.method == "flextensor":
-        report = llm.collective_rpc("flextensor_report")[0]
+        report = llm.collective_rpc("flextensor_report")[0]  # the plan of this batch's decode steps
         row["streamed_units"] = sum(u["placement"] == "streamed" for u in report["units"])
-    print(json.dumps(row), flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    return row
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 #   PART=0: import check + the vLLM tests on the GPU (tiny Llama; compiled mode without CUDA graphs);
 #           TESTS="-k expr" picks some.
 #   PART=save: save the random Llama-3.1-8B checkpoint (once per machine, while it stays warm).
-#   PART=1: batch 1 for each of METHODS (default: native flextensor uva prefetch); PART=2: batch 32.
+#   PART=1: batch 1 and 32 (BATCHES) for each of METHODS (default: native flextensor uva prefetch), one
+#           engine per method.
 #           BENCH_ARGS go to benchmarks.vllm_serve (e.g. "--decode-tokens 16 --warmup 1").
 set -u
 source "$(dirname "$0")/gpu_vllm_env.sh"
@@ -25,7 +26,7 @@ save)
     ;;
 *)
     [ -f "$model/config.json" ] || python3 -m benchmarks.vllm_serve --save "$model"
-    batch=$([ "${PART}" = 1 ] && echo 1 || echo 32)
+    batch=${BATCHES:-1,32}
     for method in ${METHODS:-native flextensor uva prefetch}; do
         # native at a utilization where the whole model fits; the others where it does not
         util=$([ "$method" = native ] && echo 0.3 || echo 0.11)

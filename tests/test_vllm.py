@@ -194,3 +194,29 @@ def test_bad_options_are_refused_and_leave_vllm_as_it_was(tiny_llama: Path, tmp_
     assert "counts the weights alone" in got["budget_too_small"]["message"]
     # A refused load leaves vLLM's own offloader (the one its model runner installed) in place.
     assert "FlexTensorOffloader" not in {r["offloader"] for r in got.values()}
+
+
+def test_serving_benchmark_runs_every_batch_size_in_one_engine(tiny_llama: Path, tmp_path: Path) -> None:
+    """benchmarks.vllm_serve (the H200 throughput table) on the tiny Llama: a row per batch size, with
+    the workers' memory and flextensor's streamed layers."""
+    out = tmp_path / "rows.jsonl"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    env["VLLM_CACHE_ROOT"] = str(tmp_path / "vllm-cache")
+    args = ["--model", str(tiny_llama), "--method", "flextensor", "--batch", "1,2", "--prompt-len", "16"]
+    args += ["--decode-tokens", "4", "--budget", TIGHT["gpu_memory_budget"], "--kv-cache-gb", "0.05"]
+    args += ["--eager", "--warmup", "1", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.vllm_serve", *args],
+        env=env,
+        cwd=ENGINE.parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["method"] == "flextensor" and row["streamed_units"] == 4
+        assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
+        assert {"gpu_allocated_gb", "gpu_peak_allocated_gb", "vllm", "when"} <= set(row)
