@@ -409,8 +409,8 @@ class OffloadEngine:
             raise
         self.policy.layout_landed()
         self.signature = measurements.input_shapes
-        self.recordings.pop(self.signature, None)  # made under an earlier plan for these inputs: the next
-        # step is recorded (see _driver)
+        # A recording made under an earlier plan for these inputs is dropped: the next step records.
+        self.recordings.pop(self.signature, None)
         logger.info("plan: %s", plan.summary())
 
     def _apply(self, entry: PlanEntry) -> None:
