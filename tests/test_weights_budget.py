@@ -1,6 +1,6 @@
 """A budget for the weights alone (a serving engine sizes the rest; see [Note: a budget for the weights
 alone] in plan_policy.py): plans count the weights outside units instead of everything allocated at a
-step's start, and the device store holds the budget's bytes in reserve until the first plan's layout."""
+step's start, and the device store holds the budget's bytes in reserve until its next layout frees them."""
 
 from __future__ import annotations
 
@@ -52,10 +52,13 @@ def test_a_weights_budget_below_the_smallest_plan_is_refused() -> None:
         policy.make_plan(served_step())
 
 
-def test_without_a_budget_a_weights_budget_has_no_device_limit() -> None:
-    policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), None)
+def test_without_a_budget_a_weights_budget_has_no_device_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = DeviceRuntime(torch.device("cpu"))
+    monkeypatch.setattr(runtime, "total_memory", lambda: 2**40)  # a device of known size, as a GPU
+    policy = PlanPolicy(runtime, None)
+    assert policy.memory_limit() is not None  # the device's share, counting whatever is allocated
     policy.count_weights_only(lambda: WEIGHTS_OUTSIDE_UNITS)
-    assert policy.memory_limit() is None
+    assert policy.memory_limit() is None  # the serving engine accounted for the whole model
 
 
 def test_the_reserve_is_held_until_the_next_layout_frees_it_first() -> None:
