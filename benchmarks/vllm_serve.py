@@ -55,8 +55,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs.update(
             load_format="flextensor",
             additional_config={"flextensor": {"gpu_memory_budget": args.budget}},
-            compilation_config={"cudagraph_mode": "NONE"},  # see docs/vllm.md, limits
         )
+    if args.cudagraph_mode is not None:
+        kwargs["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     # Every method: the workers' device memory (flextensor_device_memory), to compare at equal memory.
     kwargs["worker_extension_cls"] = "flextensor.vllm.WorkerExtension"
     if args.eager:
@@ -85,6 +86,11 @@ def main() -> None:
     parser.add_argument("--cpu-offload-gb", type=float, default=7.5, help="uva: GB of weights in host RAM")
     parser.add_argument("--group-size", type=int, default=2, help="prefetch: one layer per group offloaded")
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile, no graphs)")
+    parser.add_argument(
+        "--cudagraph-mode",
+        default=None,
+        help="vLLM's cudagraph_mode (default: vLLM's; flextensor: FULL_DECODE_ONLY)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/vllm_serve.jsonl")
     args = parser.parse_args()
@@ -138,6 +144,8 @@ def measure(llm, args: argparse.Namespace, batch: int, SamplingParams, TokensPro
         "prefill_tokens_per_s": round(batch * args.prompt_len / prefill_s, 1),
         "decode_tokens_per_s": round(batch * (args.decode_tokens - 1) / decode_s, 1),
     }
+    graphs = llm.collective_rpc("flextensor_cuda_graphs")[0]
+    row["cudagraph_mode"], row["cuda_graphs_captured"] = graphs["mode"], graphs["captured"]
     memory = llm.collective_rpc("flextensor_device_memory")[0]
     row["gpu_allocated_gb"] = round(memory["allocated"] / 1e9, 2)  # weights, KV cache, what stays
     row["gpu_peak_allocated_gb"] = round(memory["peak"] / 1e9, 2)

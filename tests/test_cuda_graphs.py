@@ -20,9 +20,9 @@ from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 
 
-def steady_llama(layers: int = 4):
+def steady_llama(layers: int = 4, **fields: object):
     model = tiny_llama(layers=layers, tie=False)
-    flextensor.offload(model, streaming_config(model, ["model.layers.*"]))
+    flextensor.offload(model, streaming_config(model, ["model.layers.*"], **fields))
     with torch.no_grad():
         for _ in range(4):
             model(llama_inputs())
@@ -124,3 +124,74 @@ def test_releasing_a_captured_model_warns_that_its_graphs_must_not_replay(
     with caplog.at_level("WARNING", logger="flextensor"):
         flextensor.release(model)
     assert "must not be replayed" in caplog.text
+
+
+def test_announced_captures_end_learning_with_a_plan_kept_for_every_input(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM warms each batch size up once, then captures it; before its first capture it calls the
+    offloader's sync_prev_onload, which announces captures to the engine (prepare_for_captures)."""
+    model = tiny_llama(layers=4, tie=False)
+    flextensor.offload(
+        model, streaming_config(model, ["model.layers.*"], discovery_forwards=1, profiling_forwards=2)
+    )
+    engine = engine_of(model)
+    reference = tiny_llama(layers=4, tie=False)
+    with torch.no_grad():
+        model(llama_inputs())  # discovery
+        model(llama_inputs())  # one profiling forward of two
+    assert flextensor.phase(model) == "profiling"
+    engine.prepare_for_captures()
+    assert flextensor.phase(model) == "inference"
+    layouts = flextensor.status(model).layouts
+    step = capture_one(model, monkeypatch)  # the capture runs the plan just made
+    assert step.joined
+    other = llama_inputs(batch=1, seq=5)
+    with torch.no_grad(), caplog.at_level("INFO", logger="flextensor"):
+        assert torch.equal(model(other).logits, reference(other).logits)
+    assert "run with the plan made for" in caplog.text and "WARNING" not in caplog.text
+    assert flextensor.status(model).layouts == layouts and flextensor.phase(model) == "inference"
+    engine.prepare_for_captures()  # before every replay: nothing more
+    assert flextensor.status(model).layouts == layouts
+
+
+def test_announced_captures_fall_back_on_an_earlier_plan_when_profiling_has_no_sample() -> None:
+    """A profiling forward during which the compiler ran is left out: with no sample of the inputs in
+    flight, captures run the plan made for earlier inputs."""
+    model = steady_llama(profiling_forwards=2)
+    engine = engine_of(model)
+    reference = tiny_llama(layers=4, tie=False)
+    other = llama_inputs(batch=1, seq=5)
+    with torch.no_grad():
+        model(other)  # new inputs: profiling them
+    assert flextensor.phase(model) == "profiling"
+    engine.learning.restart_profiling()  # as when the compiler ran in that forward
+    engine.prepare_for_captures()
+    assert flextensor.phase(model) == "inference"
+    with torch.no_grad():
+        assert torch.equal(model(other).logits, reference(other).logits)
+        assert torch.equal(model(llama_inputs()).logits, reference(llama_inputs()).logits)
+    assert flextensor.phase(model) == "inference"
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["after-one-discovery-forward", "profiling"])
+def test_captures_announced_early_plan_from_the_forwards_so_far(profiled: bool) -> None:
+    """vLLM captures two graphs to measure their memory right after its first forward (the first of
+    flextensor's discovery forwards): the plan then comes from that forward's times."""
+    model = tiny_llama(layers=4, tie=False)
+    flextensor.offload(model, streaming_config(model, ["model.layers.*"], discovery_forwards=2))
+    engine = engine_of(model)
+    reference = tiny_llama(layers=4, tie=False)
+    with torch.no_grad():
+        model(llama_inputs())
+        if profiled:
+            model(llama_inputs())  # the second discovery forward: profiling next
+            assert not engine.learning.has_samples()
+    engine.prepare_for_captures()
+    assert flextensor.phase(model) == "inference" and engine.graphs.layout_kept
+    assert [u.name for u in engine.order] == [f"model.layers.{i}" for i in range(4)]
+    for inputs in (llama_inputs(), llama_inputs(batch=1, seq=3)):
+        with torch.no_grad():
+            assert torch.equal(model(inputs).logits, reference(inputs).logits)
+    assert flextensor.phase(model) == "inference"
+    assert flextensor.report(model).units  # reports like any plan

@@ -123,6 +123,12 @@ def test_streamed_layers_match_the_resident_model(engines, compiled: bool) -> No
     suffix = "_compiled" if compiled else ""
     streamed, resident = engines("streamed" + suffix), engines("resident" + suffix)
     assert_every_layer_streamed(streamed["reports"])
+    if compiled and torch.cuda.is_available():
+        # vLLM's default graphs, decode batches only (loader.choose_cuda_graph_mode), captured and replayed
+        assert streamed["graphs"] == [
+            {"mode": "FULL_DECODE_ONLY", "captured": streamed["graphs"][0]["captured"]}
+        ]
+        assert streamed["graphs"][0]["captured"] > 0
     assert streamed["tokens"] == resident["tokens"]
     assert streamed["tokens"][0] == streamed["tokens"][1]  # learning (1st call) and planned (2nd) agree
     if compiled:
@@ -219,4 +225,49 @@ def test_serving_benchmark_runs_every_batch_size_in_one_engine(tiny_llama: Path,
     for row in rows:
         assert row["method"] == "flextensor" and row["streamed_units"] == 4
         assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
-        assert {"gpu_allocated_gb", "gpu_peak_allocated_gb", "vllm", "when"} <= set(row)
+        assert {"gpu_allocated_gb", "gpu_peak_allocated_gb", "vllm", "when", "cudagraph_mode"} <= set(row)
+
+
+@pytest.mark.parametrize(
+    ("mode", "becomes"),
+    [
+        ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"),
+        ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
+        ("FULL", "FULL"),
+        ("NONE", "NONE"),
+        ("PIECEWISE", None),
+    ],
+)
+def test_cuda_graphs_are_kept_to_whole_forwards(mode: str, becomes: str | None, caplog) -> None:
+    """vLLM's default (FULL_AND_PIECEWISE) becomes FULL_DECODE_ONLY with a warning; piecewise graphs alone,
+    which would cut a layer's copies at each attention call, are refused before anything is built. With
+    graphs, every capture follows a warm-up forward (never a first compile inside a capture)."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from flextensor.errors import UnsupportedOperationError
+    from flextensor.vllm.loader import choose_cuda_graph_mode
+
+    def config(eager: bool = False) -> SimpleNamespace:
+        compilation = CompilationConfig()
+        compilation.cudagraph_mode = CUDAGraphMode[mode]
+        return SimpleNamespace(
+            compilation_config=compilation, model_config=SimpleNamespace(enforce_eager=eager)
+        )
+
+    gpu = torch.device("cuda", 0)
+    got = config()
+    if becomes is None:
+        with pytest.raises(UnsupportedOperationError, match="FULL_DECODE_ONLY"):
+            choose_cuda_graph_mode(got, gpu)
+        return
+    with caplog.at_level("WARNING", logger="flextensor"):
+        graphs = choose_cuda_graph_mode(got, gpu)
+    assert got.compilation_config.cudagraph_mode == CUDAGraphMode[becomes]
+    assert ("decode batches only" in caplog.text) == (mode != becomes)
+    assert graphs == (becomes != "NONE")
+    assert got.compilation_config.cudagraph_num_of_warmups == (1 if graphs else 0)
+    for untouched, device in ((config(eager=True), gpu), (config(), torch.device("cpu"))):  # no graphs run
+        assert not choose_cuda_graph_mode(untouched, device)
+        assert untouched.compilation_config.cudagraph_mode == CUDAGraphMode[mode]

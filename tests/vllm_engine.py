@@ -36,15 +36,12 @@ def build_tiny_llama(directory: str) -> None:
 def generate(
     model_dir: str, flextensor: dict | None, compiled: bool, report: bool, save_profile: str | None = None
 ) -> dict:
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kwargs: dict = {}
     if flextensor is not None:
         kwargs.update(load_format="flextensor", additional_config={"flextensor": flextensor})
-    if compiled and flextensor is not None and torch.cuda.is_available():
-        kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}  # refused otherwise (docs/vllm.md, limits)
     if report or save_profile is not None:
         kwargs["worker_extension_cls"] = "flextensor.vllm.WorkerExtension"
     llm = LLM(
@@ -72,6 +69,7 @@ def generate(
             ]
         )
     if report:
+        results["graphs"] = llm.collective_rpc("flextensor_cuda_graphs")
         results["reports"] = llm.collective_rpc("flextensor_report")
         results["memory"] = llm.collective_rpc("flextensor_device_memory")
     if save_profile is not None:

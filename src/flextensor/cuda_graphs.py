@@ -19,6 +19,9 @@ packs, and the order of the copies between them. So:
 * Eager forwards after a capture are fenced against replays: their copies wait for the compute queued
   before them (a replay still reading a range), and the next work on the compute stream waits for their
   copies (a replay reading what they load). Two event operations per forward, none before any capture.
+* A runtime that captures by itself (vLLM) says so before its first capture (``pin_layout``): the
+  learning of the inputs in flight ends with a plan, and the layout is kept from then on, as after a
+  capture, for inputs it never saw uncaptured too (vLLM warms up each batch size once, then captures).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class GraphCaptures:
         self.runtime = runtime
         self.model_name = model_name
         self.captured = False  # some forward was captured: the layout is kept, eager forwards are fenced
+        self.pinned = False  # captures were announced (pin_layout): the layout is kept, as once captured
         self.guaranteed: set[Unit] | None = None  # fixed by the first capture (see the note)
         self._retired: list[Any] = []  # events recorded inside captures, kept alive with the graphs
         self._warned: set[tuple[str, ...]] = set()
@@ -134,14 +138,24 @@ class GraphCaptures:
                 self.model_name,
             )
 
+    @property
+    def layout_kept(self) -> bool:
+        """Whether the layout in place is kept for every input from now on."""
+        return self.captured or self.pinned
+
+    def pin_layout(self) -> None:
+        """Captures are coming: keep the layout in place for every input (see [Note: captured forwards]).
+        Inputs without a plan of their own then run with it by design: logged, not warned."""
+        self.pinned = True
+
     def keep_layout(self, signature: tuple[str, ...], current: tuple[str, ...] | None) -> bool:
         """Whether a forward with ``signature`` must keep the layout made for ``current``: after a
         capture, another layout would free memory the graph copies into."""
-        if not self.captured or current is None or signature == current:
+        if not self.layout_kept or current is None or signature == current:
             return False
         if signature not in self._warned:
             self._warned.add(signature)
-            logger.warning(
+            (logger.info if self.pinned else logger.warning)(
                 "inputs %s run with the plan made for %s: a CUDA graph of %s was captured with that "
                 "layout, which is kept so that its replays stay valid (plan other shapes before the first "
                 "capture by running them once without CUDA graphs)",

@@ -216,6 +216,30 @@ class OffloadEngine:
         checking forward), so must run uncompiled (see [Note: compiled hot path] in compiled.py)."""
         return getattr(self.step, "eager_only", False)
 
+    def prepare_for_captures(self) -> None:
+        """A runtime that captures whole forwards by itself (vLLM) is about to: end the learning with a
+        plan now, from what the forwards so far measured (a discovery forward's times if no forward was
+        profiled; the latest plan if the forwards profiling these inputs were the compiler's), and keep
+        the layout for every input from then on (see [Note: captured forwards]). Cheap once done:
+        runtimes call it before every replay too. Before any forward it does nothing: the capture
+        refuses, saying what to do."""
+        if self.graphs.layout_kept or self.bracket.running:
+            return
+        if self.phase is Phase.DISCOVERY:
+            discovered = self.learning.discovered_so_far()
+            if discovered is None:
+                return
+            self._finish_discovery(discovered)
+        if self.phase is Phase.PROFILING:
+            if not self.learning.has_samples() and self.plans:
+                self.learning.restart_profiling()
+                self._apply(list(self.plans.values())[-1])
+                self.signature = self.current.measurements.input_shapes  # type: ignore[union-attr]
+            elif self.learning.sample_discovery_times(self.signature):
+                self._plan_from_samples()
+        if self.phase is Phase.INFERENCE and self.laid_out:
+            self.graphs.pin_layout()
+
     def capture_began(self) -> None:
         """The first unit op of a compiled forward found the stream capturing (reduce-overhead mode): the
         forward's driver becomes the captured one (see [Note: captured forwards])."""
@@ -493,7 +517,7 @@ class OffloadEngine:
         """Give back the device bytes held for units while another component of a pipeline runs; the
         next forward lays its plan out again (re-uploading resident units). Returns the bytes freed: 0
         while a forward runs, when nothing is laid out, or once a CUDA graph holds the layout's addresses."""
-        if self.bracket.running or not self.laid_out or self.graphs.captured:
+        if self.bracket.running or not self.laid_out or self.graphs.layout_kept:
             return 0
         held = self.store.device_bytes_held()
         self.store.vacate()

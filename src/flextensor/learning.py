@@ -70,6 +70,26 @@ class Learning:
         discovered, self._discovered = self._discovered, DiscoveryResult()
         return discovered
 
+    def discovered_so_far(self) -> DiscoveryResult | None:
+        """End discovery early: the union of the discovery forwards run so far (None if none ran)."""
+        if self._forwards == 0:
+            return None
+        self._forwards = 0
+        discovered, self._discovered = self._discovered, DiscoveryResult()
+        return discovered
+
+    def sample_discovery_times(self, signature: tuple[str, ...] | None) -> bool:
+        """With no profiled forward to plan from, take a discovery forward's times (those of ``signature``,
+        else the latest) as the one sample; whether there was any."""
+        if self._samples:
+            return True
+        timing = self._timing.get(signature) if signature is not None else None
+        if timing is None and self._timing:
+            timing = list(self._timing.values())[-1]
+        if timing is not None:
+            self._samples.append(timing)
+        return bool(self._samples)
+
     def compiler_ran(self) -> bool:
         """A profiling forward during which the compiler ran: whether to leave it out (and profile one
         more) rather than count it."""

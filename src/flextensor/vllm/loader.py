@@ -85,23 +85,39 @@ def refuse_vllm_offload(vllm_config: Any) -> None:
         )
 
 
-def refuse_cuda_graphs(vllm_config: Any, device: torch.device) -> None:
-    """vLLM captures CUDA graphs piece by piece (between attention calls) from warm-up steps taken before
-    flextensor has a plan; flextensor's captures need a steady forward enclosing the whole model
-    (docs/compile.md). Until the two meet, refuse rather than replay wrong copies."""
-    if device.type != "cuda":
-        return
+def choose_cuda_graph_mode(vllm_config: Any, device: torch.device) -> bool:
+    """Keep vLLM's CUDA graphs to those that capture whole forwards; whether any are captured.
+
+    flextensor captures a steady forward with its copies (docs/compile.md); vLLM's piecewise graphs
+    capture the stretches between attention calls, and a layer's copies cross those borders. So the
+    default, FULL_AND_PIECEWISE, becomes FULL_DECODE_ONLY (decode batches replay full graphs; prefill and
+    mixed batches run compiled, without graphs), with a warning; PIECEWISE alone is refused. NONE, FULL
+    and FULL_DECODE_ONLY stay. With graphs, each capture follows one uncompiled-graph warm-up forward
+    (``cudagraph_num_of_warmups``), so that torch.compile never first compiles inside a capture: the
+    learning forwards before it run uncompiled (offloader.run_uncompiled_while_learning)."""
+    if device.type != "cuda" or vllm_config.model_config.enforce_eager:
+        return False
     compilation = vllm_config.compilation_config
     mode = getattr(compilation, "cudagraph_mode", None)
-    graphs_off = vllm_config.model_config.enforce_eager or (
-        mode is not None and str(getattr(mode, "name", mode)).upper() == "NONE"
-    )
-    if not graphs_off:
-        raise UnsupportedOperationError(
-            "--load-format flextensor does not support vLLM's CUDA graphs yet (they are captured piece by "
-            'piece before flextensor has a plan); run with compilation_config={"cudagraph_mode": "NONE"} '
-            "(-cc.cudagraph_mode=NONE: torch.compile stays on) or enforce_eager=True"
+    name = str(getattr(mode, "name", mode)).upper()
+    if mode is None or name == "NONE":
+        return False
+    if name == "FULL_AND_PIECEWISE":
+        compilation.cudagraph_mode = type(mode).FULL_DECODE_ONLY
+        logger.warning(
+            "--load-format flextensor: CUDA graphs for decode batches only (cudagraph_mode FULL_DECODE_ONLY "
+            "instead of FULL_AND_PIECEWISE): piecewise graphs would cut flextensor's copies at every "
+            "attention call; prefill and mixed batches run compiled without CUDA graphs"
         )
+    elif name not in ("FULL", "FULL_DECODE_ONLY"):
+        raise UnsupportedOperationError(
+            f"--load-format flextensor cannot run vLLM's {name} CUDA graphs: they capture the stretches "
+            "between attention calls, and flextensor's copies of a layer cross those borders; use "
+            "-cc.cudagraph_mode=FULL_DECODE_ONLY "
+            '(compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"}), NONE, or leave the default'
+        )
+    compilation.cudagraph_num_of_warmups = max(1, getattr(compilation, "cudagraph_num_of_warmups", 0) or 0)
+    return True
 
 
 @register_model_loader("flextensor")
@@ -122,7 +138,13 @@ class FlexTensorModelLoader(BaseModelLoader):
         refuse_vllm_offload(vllm_config)
         config = offload_config_from(vllm_config)
         device = vllm_device(vllm_config)
-        refuse_cuda_graphs(vllm_config, device)
+        if (
+            choose_cuda_graph_mode(vllm_config, device)
+            and "discovery_forwards" not in config.model_fields_set
+        ):
+            # vLLM captures right after its first forward (a memory estimate) and each later size after
+            # one warm-up: one discovery forward, then the warm-up compiles outside the capture.
+            config = config.model_copy(update={"discovery_forwards": 1})
         if isinstance(vllm_config.additional_config, dict):
             # additional_config is hashed into vLLM's compile cache: a graph compiled without
             # flextensor's ops must never be reused for this model, nor ours for a plain one.

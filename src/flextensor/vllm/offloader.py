@@ -14,9 +14,11 @@ vLLM asks the installed offloader for three things, and this class answers them 
   the weights alone, and on a GPU the loader holds the budget's bytes in reserve until vLLM has measured
   them; flextensor's next layout frees them (budget.py).
 * ``sync_prev_onload`` / ``join_after_forward``: vLLM's CUDA-graph wrappers call them before a capture or
-  replay, and inside a capture after the captured piece: the compute stream waits for flextensor's copy
-  stream, so copies queued before (the previous step's prefetches) land first, and a capture never ends
-  with the copy stream forked. GPU only: on CPU vLLM never calls them and both are no-ops.
+  replay, and inside a capture after the captured forward. Before the first capture the engine ends its
+  learning with a plan and keeps that layout for every batch size from then on (vLLM warms each size up
+  once, then captures it; see [Note: captured forwards] in cuda_graphs.py). Then the compute stream
+  waits for flextensor's copy stream, so copies queued before land first, and a capture never ends with
+  the copy stream forked. GPU only: on CPU vLLM never calls them.
 """
 
 from __future__ import annotations
@@ -157,8 +159,12 @@ class FlexTensorOffloader(BaseOffloader):
 
     def sync_prev_onload(self) -> None:
         copy = self._copy_stream()
-        if copy is not None:
-            torch.cuda.current_stream(self.device).wait_stream(copy)
+        if copy is None:
+            return
+        if not torch.cuda.is_current_stream_capturing():
+            assert self.model is not None
+            engine_of(self.model).prepare_for_captures()
+        torch.cuda.current_stream(self.device).wait_stream(copy)
 
     def join_after_forward(self) -> None:
         copy = self._copy_stream()

@@ -34,6 +34,17 @@ class WorkerExtension:
             "reserved": torch.cuda.memory_reserved(device),
         }
 
+    def flextensor_cuda_graphs(self) -> dict[str, Any]:
+        """This worker's CUDA-graph ``mode`` (after the loader's choice, see docs/vllm.md) and how many
+        graphs vLLM has ``captured`` in this process. Works with any load format."""
+        from vllm.compilation.counter import compilation_counter
+
+        mode = self.vllm_config.compilation_config.cudagraph_mode  # type: ignore[attr-defined]
+        return {
+            "mode": getattr(mode, "name", str(mode)),
+            "captured": compilation_counter.num_cudagraph_captured,
+        }
+
     def flextensor_save_profile(self, path: str) -> str:
         """``flextensor.save_profile(model, path)`` of this worker's model (after a steady step); a
         ``{rank}`` in ``path`` becomes the worker's rank, for engines with several. Returns the path
