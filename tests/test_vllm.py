@@ -209,7 +209,8 @@ def test_serving_benchmark_runs_every_batch_size_in_one_engine(tiny_llama: Path,
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     env["VLLM_CACHE_ROOT"] = str(tmp_path / "vllm-cache")
     args = ["--model", str(tiny_llama), "--method", "flextensor", "--batch", "1,2", "--prompt-len", "16"]
-    args += ["--decode-tokens", "4", "--budget", TIGHT["gpu_memory_budget"], "--kv-cache-gb", "0.05"]
+    # In bfloat16 (the benchmark's dtype): 540 KiB outside the layers, two layers of 289 KiB in flight.
+    args += ["--decode-tokens", "4", "--budget", "1200KiB", "--kv-cache-gb", "0.05"]
     args += ["--eager", "--warmup", "1", "--out", str(out)]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.vllm_serve", *args],

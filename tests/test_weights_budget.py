@@ -145,3 +145,45 @@ def test_vllm_offloader_replans_a_profile_for_the_weights_alone(tmp_path) -> Non
         want = make_spec_model()(tokens)
         assert torch.equal(served(tokens), want)
     flextensor.release(served)
+
+
+def test_a_plan_for_every_input_keeps_as_many_units_resident_as_the_budget_allows() -> None:
+    """Measured on a compute-heavy step every copy hides, so the plan that serves those inputs alone may
+    stream everything through a deep arena; a plan for every input assumes the shortest step, where
+    each unit streamed costs its copy: two in flight, the rest of the budget resident."""
+    budget = WEIGHTS_OUTSIDE_UNITS + 4 * SLOT
+    heavy = replace_compute(served_step(), 1.0)  # far longer than a copy (2 ms)
+    policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), budget)
+    policy.count_weights_only(lambda: WEIGHTS_OUTSIDE_UNITS)
+    policy.plan_for_every_input()
+    plan = policy.make_plan(heavy)
+    assert len(plan.resident) == 2 and plan.arena_bytes == 2 * SLOT
+    assert plan.predicted_peak_bytes <= budget
+
+
+def replace_compute(measurements: Measurements, compute_s: float) -> Measurements:
+    from dataclasses import replace
+
+    return replace(measurements, units=tuple(replace(u, compute_s=compute_s) for u in measurements.units))
+
+
+def test_one_layout_serves_every_input_after_the_first_plan() -> None:
+    """The vLLM offloader's choice (Engine.keep_one_layout): once planned, inputs of other shapes neither
+    profile nor lay out again, and their outputs are those of the model on the device."""
+    reference = make_spec_model(n_layers=6)
+    model = flextensor.offload(
+        make_spec_model(n_layers=6), flextensor.OffloadConfig(include_patterns=["layers.*"], **CPU)
+    )
+    engine = engine_of(model)
+    engine.keep_one_layout()
+    tokens = spec_tokens()
+    run_forwards(model, tokens, LEARN)
+    assert flextensor.phase(model) == "inference"
+    layouts = flextensor.status(model).layouts
+    for shape in ((1, 3), (3, 17), (2, 5)):
+        other = torch.randint(0, 64, shape)
+        with torch.no_grad():
+            assert torch.equal(model(other), reference(other))
+        assert flextensor.phase(model) == "inference"
+    assert flextensor.status(model).layouts == layouts and len(engine.plans) == 1
+    flextensor.release(model)

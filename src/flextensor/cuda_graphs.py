@@ -19,9 +19,9 @@ packs, and the order of the copies between them. So:
 * Eager forwards after a capture are fenced against replays: their copies wait for the compute queued
   before them (a replay still reading a range), and the next work on the compute stream waits for their
   copies (a replay reading what they load). Two event operations per forward, none before any capture.
-* A runtime that captures by itself (vLLM) says so before its first capture (``pin_layout``): the
-  learning of the inputs in flight ends with a plan, and the layout is kept from then on, as after a
-  capture, for inputs it never saw uncaptured too (vLLM warms up each batch size once, then captures).
+* A serving engine (vLLM) keeps one layout for every input from its first plan on (``pin_layout``; its
+  plans are made for every input, see PlanPolicy.plan_for_every_input), and captures by itself: before
+  its first capture the engine ends its learning with a plan (Engine.prepare_for_captures).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class GraphCaptures:
         return self.captured or self.pinned
 
     def pin_layout(self) -> None:
-        """Captures are coming: keep the layout in place for every input (see [Note: captured forwards]).
+        """Keep the layout in place, once there is one, for every input (see [Note: captured forwards]).
         Inputs without a plan of their own then run with it by design: logged, not warned."""
         self.pinned = True
 
@@ -155,14 +155,22 @@ class GraphCaptures:
             return False
         if signature not in self._warned:
             self._warned.add(signature)
-            (logger.info if self.pinned else logger.warning)(
-                "inputs %s run with the plan made for %s: a CUDA graph of %s was captured with that "
-                "layout, which is kept so that its replays stay valid (plan other shapes before the first "
-                "capture by running them once without CUDA graphs)",
-                ", ".join(signature),
-                ", ".join(current),
-                self.model_name,
-            )
+            if self.pinned:
+                logger.info(
+                    "inputs %s run with the plan made for %s: %s keeps one layout for every input",
+                    ", ".join(signature),
+                    ", ".join(current),
+                    self.model_name,
+                )
+            else:
+                logger.warning(
+                    "inputs %s run with the plan made for %s: a CUDA graph of %s was captured with that "
+                    "layout, which is kept so that its replays stay valid (plan other shapes before the "
+                    "first capture by running them once without CUDA graphs)",
+                    ", ".join(signature),
+                    ", ".join(current),
+                    self.model_name,
+                )
         return True
 
     def fence_begin(self) -> None:

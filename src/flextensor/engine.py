@@ -216,14 +216,22 @@ class OffloadEngine:
         checking forward), so must run uncompiled (see [Note: compiled hot path] in compiled.py)."""
         return getattr(self.step, "eager_only", False)
 
+    def keep_one_layout(self) -> None:
+        """Serve every input with one plan from the first on, made as if the link were the bottleneck:
+        for a serving engine whose budget counts the weights alone (any plan fits every input), and
+        which alternates prefill and decode steps (a layout per shape would move the resident units at
+        each switch) or captures its steps in CUDA graphs (which keep the layout anyway)."""
+        self.policy.plan_for_every_input()
+        self.graphs.pin_layout()
+
     def prepare_for_captures(self) -> None:
         """A runtime that captures whole forwards by itself (vLLM) is about to: end the learning with a
         plan now, from what the forwards so far measured (a discovery forward's times if no forward was
         profiled; the latest plan if the forwards profiling these inputs were the compiler's), and keep
-        the layout for every input from then on (see [Note: captured forwards]). Cheap once done:
-        runtimes call it before every replay too. Before any forward it does nothing: the capture
+        the layout for every input from then on (see [Note: captured forwards]). Cheap once a capture
+        ran: runtimes call it before every replay too. Before any forward it does nothing: the capture
         refuses, saying what to do."""
-        if self.graphs.layout_kept or self.bracket.running:
+        if self.graphs.captured or self.bracket.running:
             return
         if self.phase is Phase.DISCOVERY:
             discovered = self.learning.discovered_so_far()
@@ -238,6 +246,12 @@ class OffloadEngine:
             elif self.learning.sample_discovery_times(self.signature):
                 self._plan_from_samples()
         if self.phase is Phase.INFERENCE and self.laid_out:
+            if self._check_next:
+                logger.warning(
+                    "a CUDA graph capture comes before the forward that checks the model still runs as its "
+                    "profile says; the check is skipped"
+                )
+                self._check_next = False
             self.graphs.pin_layout()
 
     def capture_began(self) -> None:

@@ -59,6 +59,7 @@ class PlanPolicy:
         self.failed_peak_bytes: int | None = None  # predicted peak of a plan whose layout ran out of memory
         self.host: HostPlan | None = None  # set when a host budget cannot pin every pack (host_budget.py)
         self.fixed_weight_bytes: Callable[[], int] | None = None  # set by count_weights_only
+        self.link_bound = False  # set by plan_for_every_input
 
     def count_weights_only(self, fixed_weight_bytes: Callable[[], int]) -> None:
         """Plan for the weights alone: ``fixed_weight_bytes()`` (asked at each plan: a weight may leave
@@ -66,6 +67,13 @@ class PlanPolicy:
         alone]. Without a budget, plans are then made without a device limit: the serving engine
         accounted for the whole model when it loaded."""
         self.fixed_weight_bytes = fixed_weight_bytes
+
+    def plan_for_every_input(self) -> None:
+        """Plans will serve every input, not only those measured: plan each as if the step computed
+        nothing, so that it keeps as many units resident as the memory limit allows. That is the best plan
+        for the shortest steps (decode), where the link is the bottleneck, and costs the longest ones
+        (prefill) little: their compute hides the copies of the fewer units left to stream."""
+        self.link_bound = True
 
     def planned(self, measurements: Measurements) -> Measurements:
         """``measurements`` as the plans count them: as measured, or for the weights alone."""
@@ -87,6 +95,9 @@ class PlanPolicy:
         """The plan for ``measurements``: under the budget; without one, within the device's share; and
         below the peak of a plan whose layout ran out of memory."""
         measurements = self.planned(measurements)
+        if self.link_bound:
+            units = tuple(replace(u, compute_s=0.0, gap_before_s=0.0) for u in measurements.units)
+            measurements = replace(measurements, units=units, tail_s=0.0)
         plan = plan_offload(measurements, self.budget_bytes, self.host)
         limit = self.memory_limit()
         if self.failed_peak_bytes is not None:

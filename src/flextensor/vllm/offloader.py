@@ -10,6 +10,9 @@ vLLM asks the installed offloader for three things, and this class answers them 
 * ``post_init``: once the model is loaded, ``flextensor.offload`` packs the units into (pinned) host
   memory and allocates the arena. The loader calls it (vLLM's CPU runner and 0.26's V2 GPU runner never
   do); a GPU runner may call it again: the second call does nothing.
+* One layout for every step: its plan is made as if the link were the bottleneck (decode), and serves
+  prefill steps too (Engine.keep_one_layout); a layout per step shape would move the resident layers at
+  every switch between prefill and decode.
 * The budget: vLLM sizes its KV cache from the memory the model holds after loading, so the budget covers
   the weights alone, and on a GPU the loader holds the budget's bytes in reserve until vLLM has measured
   them; flextensor's next layout frees them (budget.py).
@@ -143,6 +146,7 @@ class FlexTensorOffloader(BaseOffloader):
         engine.unguard_parameters()
         try:
             count_weights_only(model)
+            engine.keep_one_layout()  # prefill and decode steps alternate, and CUDA graphs keep it anyway
             if config.profile is not None:
                 start_from_profile(engine, config.profile)
             hold_budget_in_reserve(model)
