@@ -9,7 +9,9 @@ Methods, all at the same ``--gpu-memory-utilization`` (low enough that the 16 GB
 ``--budget``). Prefill: ``batch`` prompts of ``--prompt-len`` tokens, one output token each. Decode:
 ``--decode-tokens`` tokens each, timed after the prefill. Each phase runs ``--warmup`` times first (the
 first steps of flextensor learn the model). One engine measures every ``--batch`` size in turn. Prints and
-appends one JSON line per batch size.
+appends one JSON line per batch size, with the runner and the offloader vLLM ran (``uva`` and ``prefetch``
+run on vLLM's V1 runner: 0.26's V2 runner ignores vLLM's own offload options and keeps every weight on the
+GPU; ``VLLM_USE_V2_MODEL_RUNNER`` set by the caller wins).
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def main() -> None:
     if args.save:
         save_random_llama(args.save)
         return
+    if args.method in ("uva", "prefetch"):
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # see the module docstring
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -144,8 +148,7 @@ def measure(llm, args: argparse.Namespace, batch: int, SamplingParams, TokensPro
         "prefill_tokens_per_s": round(batch * args.prompt_len / prefill_s, 1),
         "decode_tokens_per_s": round(batch * (args.decode_tokens - 1) / decode_s, 1),
     }
-    graphs = llm.collective_rpc("flextensor_cuda_graphs")[0]
-    row["cudagraph_mode"], row["cuda_graphs_captured"] = graphs["mode"], graphs["captured"]
+    row.update(llm.collective_rpc("flextensor_runtime")[0])  # runner, offloader, CUDA graphs
     memory = llm.collective_rpc("flextensor_device_memory")[0]
     row["gpu_allocated_gb"] = round(memory["allocated"] / 1e9, 2)  # weights, KV cache, what stays
     row["gpu_peak_allocated_gb"] = round(memory["peak"] / 1e9, 2)

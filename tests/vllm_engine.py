@@ -69,7 +69,7 @@ def generate(
             ]
         )
     if report:
-        results["graphs"] = llm.collective_rpc("flextensor_cuda_graphs")
+        results["runtime"] = llm.collective_rpc("flextensor_runtime")
         results["reports"] = llm.collective_rpc("flextensor_report")
         results["memory"] = llm.collective_rpc("flextensor_device_memory")
     if save_profile is not None:

@@ -3,9 +3,10 @@
 The engine owns the units, the device store (slots.py), the hooks (hooks.py) and the plan cache. At the
 start of each outermost forward it picks the forward's driver (discovery.py, profiling.py, steady.py),
 which the unit hooks call; at its end it hands what the driver learned to the next phase (learning.py
-counts the forwards and keeps the samples). Every phase change goes through :meth:`OffloadEngine._enter`,
-which also decides which units carry hooks. How streamed weights look to ``state_dict``, conversions and
-``release`` is weight_access.py's; in-place edits are weight_edits.py's.
+counts the forwards and keeps the samples; plan_states.py makes, lays out and switches the plans). Every
+phase change goes through :meth:`OffloadEngine._enter`, which also decides which units carry hooks. How
+streamed weights look to ``state_dict``, conversions and ``release`` is weight_access.py's; in-place
+edits are weight_edits.py's.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryS
 from .errors import UnsupportedOperationError
 from .layout import provisional_arena_bytes
 from .learning import Learning, Phase
-from .measurements import LinkModel, Measurements
-from .plan import Plan
+from .measurements import LinkModel
 from .plan_policy import PlanEntry, PlanPolicy
+from .plan_states import PlanStates
 from .profiling import ProfilingStep, sample_from_timeline
 from .slots import DeviceStore
 from .status import OffloadStatus, status_of
@@ -50,7 +51,7 @@ logger = logging.getLogger("flextensor")
 __all__ = ["OffloadEngine", "Phase"]
 
 
-class OffloadEngine:
+class OffloadEngine(PlanStates):
     """Owns one offloaded model's units, store, phase, plans and hooks. Built by ``flextensor.offload``."""
 
     def __init__(
@@ -216,44 +217,6 @@ class OffloadEngine:
         checking forward), so must run uncompiled (see [Note: compiled hot path] in compiled.py)."""
         return getattr(self.step, "eager_only", False)
 
-    def keep_one_layout(self) -> None:
-        """Serve every input with one plan from the first on, made as if the link were the bottleneck:
-        for a serving engine whose budget counts the weights alone (any plan fits every input), and
-        which alternates prefill and decode steps (a layout per shape would move the resident units at
-        each switch) or captures its steps in CUDA graphs (which keep the layout anyway)."""
-        self.policy.plan_for_every_input()
-        self.graphs.pin_layout()
-
-    def prepare_for_captures(self) -> None:
-        """A runtime that captures whole forwards by itself (vLLM) is about to: end the learning with a
-        plan now, from what the forwards so far measured (a discovery forward's times if no forward was
-        profiled; the latest plan if the forwards profiling these inputs were the compiler's), and keep
-        the layout for every input from then on (see [Note: captured forwards]). Cheap once a capture
-        ran: runtimes call it before every replay too. Before any forward it does nothing: the capture
-        refuses, saying what to do."""
-        if self.graphs.captured or self.bracket.running:
-            return
-        if self.phase is Phase.DISCOVERY:
-            discovered = self.learning.discovered_so_far()
-            if discovered is None:
-                return
-            self._finish_discovery(discovered)
-        if self.phase is Phase.PROFILING:
-            if not self.learning.has_samples() and self.plans:
-                self.learning.restart_profiling()
-                self._apply(list(self.plans.values())[-1])
-                self.signature = self.current.measurements.input_shapes  # type: ignore[union-attr]
-            elif self.learning.sample_discovery_times(self.signature):
-                self._plan_from_samples()
-        if self.phase is Phase.INFERENCE and self.laid_out:
-            if self._check_next:
-                logger.warning(
-                    "a CUDA graph capture comes before the forward that checks the model still runs as its "
-                    "profile says; the check is skipped"
-                )
-                self._check_next = False
-            self.graphs.pin_layout()
-
     def capture_began(self) -> None:
         """The first unit op of a compiled forward found the stream capturing (reduce-overhead mode): the
         forward's driver becomes the captured one (see [Note: captured forwards])."""
@@ -388,128 +351,6 @@ class OffloadEngine:
         self.store.units = list(self.units.values())
         self.hooks.hook_units(u for u in self.hooks.hooked_units if u.name in self.units)
         self.order = [u for u in self.order if u.name in self.units]
-
-    # -- profiling and planning ---------------------------------------------------------------------------
-
-    def _lay_out_to_profile(self) -> None:
-        """Stream every unit through a provisional arena; until this succeeds, every forward tries again."""
-        order = self.order or list(self.units.values())
-        self._lay_out(order, (), provisional_arena_bytes([u.nbytes for u in order]))
-        self._enter(Phase.PROFILING)
-
-    def _plan_from_samples(self) -> None:
-        """Plan the inputs being profiled from the forwards profiled so far, and enter steady state."""
-        assert self.signature is not None
-        link = self.link or LinkModel.constant(1e12)
-        self.install_plan(self.learning.measurements(link, self.store.device_bytes_held(), self.signature))
-
-    def adopt_profile(self, order: list[str], measurements: Measurements, plan: Plan | None) -> None:
-        """Enter steady state from a saved profile: its order, its measurements, its plan (None: plan from
-        the measurements). The next forward is a checking one (see :meth:`_after_check`)."""
-        self.order = [self.units[name] for name in order if name in self.units]
-        self.install_plan(measurements, plan)
-        self._check_next = True
-
-    def _after_check(self, result: DiscoveryResult) -> None:
-        """The first forward from a profile ran like a discovery forward in the plan's layout: when the
-        model no longer behaves as profiled (its code changed: a weight read outside its unit, a unit that
-        now must stay resident, another order), profile it again instead of keeping a plan that no longer
-        fits it. That forward's outputs were right either way (weights loaded on demand)."""
-        seen = set(result.order)
-        ran = [u for u in self.order if u in seen]
-        changed = self.weights.outside_reads or result.must_stay_resident or result.order != ran
-        if not changed:
-            return
-        logger.warning(
-            "this model does not run as it did when its profile was made (its code changed?): "
-            "profiling it again; save a new profile once it reaches steady state"
-        )
-        self.plans.clear()
-        self.recordings.clear()
-        self.latest_recording = None
-        self.current = None
-        known = set(result.order)
-        order = [*result.order, *(u for u in self.order if u not in known)]
-        self._finish_discovery(DiscoveryResult(order, dict(result.must_stay_resident)))
-
-    def install_plan(self, measurements: Measurements, plan: Plan | None = None) -> None:
-        """Plan from ``measurements`` (unless given), lay it out, and enter steady state."""
-        measurements = self.policy.planned(measurements)  # as plans count them (what a profile saves)
-        if plan is None:
-            plan = self.policy.make_plan(measurements)
-        self.order = [self.units[u.name] for u in measurements.units]
-        entry = PlanEntry(measurements, plan)
-        try:
-            self._apply(entry)
-        except BaseException as exc:
-            self.policy.layout_failed(plan, exc)
-            self._profile_again_streaming_everything("the plan's layout failed")
-            raise
-        self.policy.layout_landed()
-        self.signature = measurements.input_shapes
-        # A recording made under an earlier plan for these inputs is dropped: the next step records.
-        self.recordings.pop(self.signature, None)
-        logger.info("plan: %s", plan.summary())
-
-    def _apply(self, entry: PlanEntry) -> None:
-        """Lay out ``entry``'s plan, remember it, and enter steady state; a failure leaves no layout."""
-        plan = entry.plan
-        self.current = None
-        self._lay_out(
-            [self.units[n] for n in plan.streamed],
-            [self.units[n] for n in plan.resident],
-            plan.arena_bytes,
-            plan.staged,
-        )
-        self.current = entry
-        self.plans[entry.measurements.input_shapes] = entry
-        resident_everywhere = set.intersection(*(set(e.plan.resident) for e in self.plans.values()))
-        self.store.drop_packs(resident_everywhere)
-        self._enter(Phase.INFERENCE)
-
-    def _profile_again_streaming_everything(self, why: str) -> None:
-        """Profile the next forward afresh with every unit streamed through a provisional arena: the way
-        back from a plan whose layout failed half-way, or from a profiling forward that ran out of memory
-        with units held resident. The layout itself is made by the next forward, not here: here the
-        failed forward's tensors may still hold the memory it needs."""
-        logger.warning("%s: the next forward streams every unit and is profiled again", why)
-        self.learning.restart_profiling()
-        self.current, self.signature, self.laid_out = None, None, False
-        self._enter(Phase.PROFILING)
-
-    def _ensure_layout(self) -> None:
-        """Give units device bytes again after a layout was lost, for a unit called outside a forward."""
-        if self.current is not None:
-            self._apply(self.current)
-        elif self.phase is Phase.DISCOVERY:
-            self._lay_out_to_discover()
-        else:
-            self._lay_out_to_profile()
-
-    def _switch_to(self, signature: tuple[str, ...]) -> None:
-        """Inputs changed in steady state (or the layout was lost): lay out the plan made for them, or
-        profile them with the units resident until now kept resident as far as memory allows."""
-        try:
-            known = self.plans.get(signature)
-            if known is not None:
-                if known is not self.current or not self.laid_out:
-                    self._apply(known)
-                self.signature = signature
-                return
-            logger.info("new input shapes %s: profiling them and re-planning", ", ".join(signature))
-            kept = self.policy.profiling_residents(
-                self.units.values(), self.order, self.plans, self.store.device_bytes_held()
-            )
-            resident = {self.units[name] for name in kept}
-            streamed = [u for u in self.order if u not in resident]
-            self._lay_out(streamed, resident, provisional_arena_bytes([u.nbytes for u in streamed]))
-            self.current, self.signature = None, signature
-            self._enter(Phase.PROFILING)
-        except BaseException:
-            # A layout that failed half-way (out of memory) has freed units of the old one: forget which
-            # layout is in place, so that the next forward lays one out again whatever its shapes.
-            self.current, self.signature, self.laid_out = None, None, False
-            raise
 
     # -- what the hooks ask -------------------------------------------------------------------------------
 

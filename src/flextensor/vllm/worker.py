@@ -34,15 +34,20 @@ class WorkerExtension:
             "reserved": torch.cuda.memory_reserved(device),
         }
 
-    def flextensor_cuda_graphs(self) -> dict[str, Any]:
-        """This worker's CUDA-graph ``mode`` (after the loader's choice, see docs/vllm.md) and how many
-        graphs vLLM has ``captured`` in this process. Works with any load format."""
+    def flextensor_runtime(self) -> dict[str, Any]:
+        """How vLLM runs this worker's model, whatever the load format: its model ``runner`` and installed
+        ``offloader`` (class names), its CUDA-graph mode (``cudagraph_mode``, after the loader's choice,
+        see docs/vllm.md) and how many graphs it has captured in this process (``cuda_graphs_captured``).
+        A way to check that an offloading option took effect (vLLM 0.26's V2 runner ignores its own)."""
         from vllm.compilation.counter import compilation_counter
+        from vllm.model_executor.offloader.base import get_offloader
 
         mode = self.vllm_config.compilation_config.cudagraph_mode  # type: ignore[attr-defined]
         return {
-            "mode": getattr(mode, "name", str(mode)),
-            "captured": compilation_counter.num_cudagraph_captured,
+            "runner": type(self.model_runner).__name__,  # type: ignore[attr-defined]
+            "offloader": type(get_offloader()).__name__,
+            "cudagraph_mode": getattr(mode, "name", str(mode)),
+            "cuda_graphs_captured": compilation_counter.num_cudagraph_captured,
         }
 
     def flextensor_save_profile(self, path: str) -> str:
