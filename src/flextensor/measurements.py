@@ -2,6 +2,14 @@
 
 Pure data: no torch. Times are seconds of device time, sizes are bytes. Saved in profiles as JSON
 (``@record``: see json_codec.py).
+
+[Note: coded loads]
+With ``compression="lossless"`` a unit's pack may be held compressed (codec/). Its load then moves the
+compressed bytes into a device staging buffer and decodes them into the unit's arena range, both on the
+copy stream, one after the other: the load holds the copy stream for ``copy_s(coded_nbytes) + nbytes /
+decode_bps``, and the next load starts after the decode, so one staging buffer (the largest coded
+streamed unit) is enough. A unit is loaded coded only where that is faster than its raw copy; compute is
+unchanged (the decode runs beside it, as copies do). The planner counts the staging buffer in the peak.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ class UnitMeasurement:
     ``gap_before_s``: device time between the end of the previous unit (or the step's start) and this
     unit's start: the compute of modules that are not units (embeddings, a final norm, glue).
     ``activation_bytes``: peak allocated during its forward above what was allocated when it started.
+    ``coded_nbytes``: bytes its pack takes losslessly compressed (``compression="lossless"``): what a coded
+    copy moves; None when it is not compressed.
     """
 
     name: str
@@ -32,6 +42,7 @@ class UnitMeasurement:
     compute_s: Seconds
     gap_before_s: Seconds = 0.0
     activation_bytes: Bytes = 0
+    coded_nbytes: Bytes | None = None
 
 
 @record
@@ -85,6 +96,8 @@ class Measurements:
     weights that never stream (modules outside units, excluded parameters) and the user's own tensors.
     ``activation_peak_bytes``: the step's peak allocated memory above what was allocated at its start.
     ``link``: the host-to-device copy speed.
+    ``decode_bps``: how fast the device decodes compressed packs, in bytes of weights written per second
+    (None: no unit is compressed). See [Note: coded loads].
     """
 
     units: tuple[UnitMeasurement, ...]
@@ -93,6 +106,21 @@ class Measurements:
     baseline_bytes: Bytes = 0
     activation_peak_bytes: Bytes = 0
     input_shapes: tuple[str, ...] = field(default_factory=tuple)
+    decode_bps: BytesPerSecond | None = None
+
+    def coded_load_s(self, unit: UnitMeasurement) -> float | None:
+        """How long ``unit``'s coded load holds the copy stream, when coding pays: its compressed bytes over
+        the link, then its decode (see [Note: coded loads]); None when it is not compressed or a raw copy is
+        no slower."""
+        if unit.coded_nbytes is None or not self.decode_bps:
+            return None
+        coded = self.link.copy_s(unit.coded_nbytes) + unit.nbytes / self.decode_bps
+        return coded if coded < self.link.copy_s(unit.nbytes) else None
+
+    def load_s(self, unit: UnitMeasurement) -> float:
+        """How long ``unit``'s load holds the copy stream: coded where that pays, else a raw copy."""
+        coded = self.coded_load_s(unit)
+        return self.link.copy_s(unit.nbytes) if coded is None else coded
 
     @property
     def compute_s(self) -> float:

@@ -25,6 +25,8 @@ class Plan:
     ``budget_bytes``: the budget it was made for (None: none).
     ``staged``: streamed units copied through the staging ring because the host budget cannot pin them
     (see [Note: host budget] in host_budget.py), in execution order; the others are pinned.
+    ``coded``: streamed units loaded compressed (see [Note: coded loads] in measurements.py), in execution
+    order; the others are copied as packed.
     """
 
     resident: tuple[str, ...]
@@ -34,11 +36,13 @@ class Plan:
     predicted_peak_bytes: Bytes = 0
     budget_bytes: Bytes | None = None
     staged: tuple[str, ...] = ()
+    coded: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One line for the log: counts, arena, and what the simulator predicts."""
         budget = "" if self.budget_bytes is None else f" (budget {self.budget_bytes / 2**30:.2f} GiB)"
         staged = f" ({len(self.staged)} staged)" if self.staged else ""
+        staged += f" ({len(self.coded)} compressed)" if self.coded else ""
         return (
             f"{len(self.streamed)} unit(s) streamed{staged}, {len(self.resident)} resident, arena "
             f"{self.arena_bytes / 2**30:.2f} GiB, predicted step {self.predicted_step_s * 1e3:.1f} ms, "

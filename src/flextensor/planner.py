@@ -45,7 +45,7 @@ from .errors import BudgetError
 from .layout import UNIT_ALIGNMENT, prefetch_lists, ready_after_for
 from .measurements import Measurements
 from .plan import Plan
-from .simulator import DEFAULT_STEPS, run_streams, simulate
+from .simulator import DEFAULT_STEPS, coded_staging_bytes, run_streams, simulate
 from .sizes import align_up, format_bytes
 from .staged_units import HostPlan, choose_staged
 
@@ -111,7 +111,10 @@ class _Search:
         self.padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in units]
         self.compute = [u.compute_s for u in units]
         self.gaps = [u.gap_before_s for u in units]
-        self.copy_s = [measurements.link.copy_s(u.nbytes) for u in units]
+        self.copy_s = [measurements.load_s(u) for u in units]  # coded where that pays
+        self.coded_nbytes = [
+            (u.coded_nbytes or 0) if measurements.coded_load_s(u) is not None else 0 for u in units
+        ]
         self.fixed = measurements.baseline_bytes + measurements.activation_peak_bytes
         self.total = sum(self.padded)
         self.compute_s = measurements.compute_s
@@ -176,11 +179,12 @@ class _Search:
             want_gain=True,
         )
         assert trace.gain is not None
+        staging = coded_staging_bytes([self.coded_nbytes[i] for i in order if i not in staged])
         config = _Config(
             resident=resident,
             arena=arena,
             step_s=trace.step_s,
-            memory=self.fixed + sum(self.padded[i] for i in resident) + arena,
+            memory=self.fixed + sum(self.padded[i] for i in resident) + arena + staging,
             gain={i: trace.gain[k] for k, i in enumerate(order)},
             staged=staged,
         )
@@ -349,9 +353,14 @@ def _search_no_budget(search: _Search) -> _Config:
 
 
 def minimal_need_bytes(measurements: Measurements) -> tuple[int, int]:
-    """(bytes the smallest plan needs, bytes of its arena): everything streamed, two largest in flight."""
-    padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in measurements.units]
+    """(bytes the smallest plan needs, bytes in flight): everything streamed, two largest in flight (and
+    the staging buffer of coded loads)."""
+    units = measurements.units
+    padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in units]
     in_flight = min(DOUBLE_BUFFER * max(padded, default=0), sum(padded))
+    in_flight += coded_staging_bytes(
+        [u.coded_nbytes or 0 for u in units if measurements.coded_load_s(u) is not None]
+    )
     need = measurements.baseline_bytes + measurements.activation_peak_bytes + in_flight
     return need, in_flight
 
@@ -394,6 +403,11 @@ def plan_offload(
         arena_bytes=config.arena,
         budget_bytes=budget_bytes,
         staged=tuple(names[i] for i in range(len(names)) if i in config.staged),
+        coded=tuple(
+            names[i]
+            for i in range(len(names))
+            if i not in config.resident and i not in config.staged and search.coded_nbytes[i]
+        ),
     )
     prediction = simulate(
         plan,
@@ -410,6 +424,7 @@ def plan_offload(
         predicted_peak_bytes=prediction.peak_bytes,
         budget_bytes=budget_bytes,
         staged=plan.staged,
+        coded=plan.coded,
     )
 
 

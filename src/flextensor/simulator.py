@@ -17,7 +17,9 @@ copy stream:
   sampling, a benchmark's synchronize), so a cross-step copy that outlasts the tail costs this step its
   remainder instead of hiding under the caller's own work;
 * when ``ready_after[k]`` is None the unit's range is never overwritten: it is copied once, ever;
-* a unit's compute starts at ``max(previous compute end + gap, end of its copy)``.
+* a unit's compute starts at ``max(previous compute end + gap, end of its copy)``;
+* a coded unit's load (``plan.coded``) holds the copy stream for its compressed copy and its decode (see
+  [Note: coded loads] in measurements.py).
 
 A cold step (the first one, or every step when ``cyclic=False``) starts with an empty arena: the copies
 that no earlier compute of the step issues (``ready_after`` None or later in the order) are issued at the
@@ -107,14 +109,27 @@ class Simulation:
         }
 
 
-def peak_bytes(measurements: Measurements, resident_nbytes: Sequence[int], arena_bytes: int) -> int:
-    """Steady-state peak: what flextensor does not plan, resident units, the arena and activations.
+def peak_bytes(
+    measurements: Measurements,
+    resident_nbytes: Sequence[int],
+    arena_bytes: int,
+    coded_nbytes: Sequence[int] = (),
+) -> int:
+    """Steady-state peak: what flextensor does not plan, resident units, the arena, the staging buffer of
+    the coded units (``coded_nbytes``: their compressed sizes) and activations.
 
     Resident units are rounded up to the arena's alignment: the engine packs each unit in its own
     aligned buffer, so this is what they really take.
     """
     resident = sum(align_up(n, UNIT_ALIGNMENT) for n in resident_nbytes)
-    return measurements.baseline_bytes + resident + arena_bytes + measurements.activation_peak_bytes
+    fixed = measurements.baseline_bytes + measurements.activation_peak_bytes
+    return fixed + resident + arena_bytes + coded_staging_bytes(coded_nbytes)
+
+
+def coded_staging_bytes(coded_nbytes: Sequence[int]) -> int:
+    """The device buffer coded loads go through: the largest of them (one at a time on the copy stream,
+    see [Note: coded loads] in measurements.py)."""
+    return align_up(max(coded_nbytes, default=0), UNIT_ALIGNMENT)
 
 
 @dataclass
@@ -287,6 +302,12 @@ def _check_plan(plan: Plan, measurements: Measurements) -> None:
     if not set(plan.staged) <= streamed:
         extra = sorted(set(plan.staged) - streamed)
         raise PlanError(f"plan.staged names units that are not streamed: {extra}")
+    by_name = measurements.by_name()
+    for name in plan.coded:
+        if name not in streamed or name in plan.staged or measurements.coded_load_s(by_name[name]) is None:
+            raise PlanError(
+                f"plan.coded names {name}, which is not a streamed, unstaged unit whose coded load pays"
+            )
 
 
 def simulate(
@@ -318,8 +339,9 @@ def simulate(
     position = [pos_of.get(u.name, -1) for u in units]
     link = measurements.link
     staged = set(plan.staged) if staged_link is not None else set()
+    coded = {u.name: measurements.coded_load_s(u) for u in units if u.name in plan.coded}
     copy_s = [
-        (staged_link if name in staged else link).copy_s(n)  # type: ignore[union-attr]
+        coded[name] if name in coded else (staged_link if name in staged else link).copy_s(n)  # type: ignore[union-attr]
         for name, n in zip(layout.order, layout.sizes, strict=True)
     ]
     if disk_link is not None:
@@ -362,7 +384,12 @@ def simulate(
         )
     return Simulation(
         step_s=trace.step_s,
-        peak_bytes=peak_bytes(measurements, [sizes[name] for name in plan.resident], plan.arena_bytes),
+        peak_bytes=peak_bytes(
+            measurements,
+            [sizes[name] for name in plan.resident],
+            plan.arena_bytes,
+            [u.coded_nbytes or 0 for u in units if u.name in plan.coded],
+        ),
         streamed_bytes=sum(n for n, c in zip(layout.sizes, trace.copied, strict=True) if c),
         compute_s=measurements.compute_s,
         exposed_wait_s=sum(trace.wait),

@@ -13,7 +13,7 @@ program. Modules: ``format`` (the layout and :class:`EncodedTensor`), ``encoder`
 ``reference`` (the vectorised CPU decoder, the definition every decoder matches), ``triton_decoder`` (the
 GPU kernel, imported lazily).
 
-How it plugs into the engine (the next step; nothing here is wired in yet):
+How it plugs into the engine (not wired in yet):
 
 - ``OffloadConfig(compression="lossless")`` (off by default). At pack time each unit's pack (one buffer,
   its parameters at 512-byte-aligned offsets, laid out exactly like the unit's arena range) is encoded as
@@ -22,13 +22,13 @@ How it plugs into the engine (the next step; nothing here is wired in yet):
   just less compressed, and a single decode launch rebuilds the whole arena range. The pinned pack then
   holds the compressed ``data`` stream instead of the raw bytes. The per-chunk index (9 bytes per 4096
   values, read only by the kernel) is copied to the device once at plan time and stays resident.
-- The planner sizes copies by the compressed bytes (what crosses the link) and adds a device *staging*
-  ring of compressed size next to the arena slots: the copy stream fills a staging slot and records an
-  event; a decode stream waits on it, decodes into the unit's arena range (``decode(encoded, out=range)``
-  with the stream's ``data`` viewing the staging slot), records the event the unit's pre-hook waits on,
-  and releases the staging slot. Decoding runs next to compute (the GPU is mostly idle in a link-bound
-  step); its time (about 2 bytes written per value at hundreds of GB/s) joins the copy in the simulator's
-  model of a load.
+- The planner and simulator already model it (see [Note: coded loads] in measurements.py): a unit with a
+  ``coded_nbytes`` measurement and a measured ``decode_bps`` is loaded coded where that beats its raw
+  copy (``Plan.coded``), its compressed copy into one device staging buffer and its decode into the
+  unit's arena range both on the copy stream (ordered like any copy: the unit's pre-hook waits for the
+  event recorded after the decode), and the staging buffer counts in the plan's peak. Still to do: the
+  engine side (packs held compressed, the staging buffer, measuring ``decode_bps`` with the link probe,
+  the pack readers that need raw bytes: resident upload, pack rebuild, state_dict views, edits).
 - ``device="cpu"`` decodes with :func:`decode_reference`, so the CPU tests exercise the same streams the
   GPU reads; outputs stay bit-for-bit those of the uncompressed model.
 """

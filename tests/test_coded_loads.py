@@ -1,0 +1,88 @@
+"""The planner's and simulator's model of compressed loads (see [Note: coded loads] in measurements.py):
+hand-computed times and peaks, and plans that code a unit only where it pays. Pure: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from flextensor.errors import PlanError
+from flextensor.json_codec import from_json_data, to_json_data
+from flextensor.layout import UNIT_ALIGNMENT
+from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan import Plan
+from flextensor.planner import minimal_need_bytes, plan_offload
+from flextensor.simulator import simulate
+
+UNIT = 16 * UNIT_ALIGNMENT  # 64 KiB
+CODED = 11 * UNIT_ALIGNMENT  # 0.6875 of it
+LINK = 1e9  # bytes/s: a raw copy takes 65.536 us, a coded one 45.056 us
+FAST_DECODE = 1e11  # a decode of UNIT bytes takes 0.655 us
+
+
+def link_bound(
+    units: int = 4, decode_bps: float | None = FAST_DECODE, coded: int | None = CODED
+) -> Measurements:
+    """``units`` layers of UNIT bytes that compute nothing: every step is its copies."""
+    return Measurements(
+        units=tuple(UnitMeasurement(f"layers.{i}", UNIT, 0.0, coded_nbytes=coded) for i in range(units)),
+        link=LinkModel.constant(LINK),
+        decode_bps=decode_bps,
+    )
+
+
+def test_a_coded_load_is_its_compressed_copy_then_its_decode_and_only_where_that_pays() -> None:
+    measurements = link_bound()
+    unit = measurements.units[0]
+    assert measurements.coded_load_s(unit) == pytest.approx(CODED / LINK + UNIT / FAST_DECODE)
+    assert measurements.load_s(unit) == measurements.coded_load_s(unit)
+    slow = replace(
+        measurements, decode_bps=UNIT / (UNIT / LINK - CODED / LINK) / 2
+    )  # decode costs 2x the saving
+    assert slow.coded_load_s(unit) is None and slow.load_s(unit) == pytest.approx(UNIT / LINK)
+    assert replace(measurements, decode_bps=None).coded_load_s(unit) is None
+    assert link_bound(coded=None).coded_load_s(link_bound(coded=None).units[0]) is None
+
+
+def test_the_simulator_times_coded_loads_and_counts_their_staging_buffer() -> None:
+    measurements = link_bound()
+    names = tuple(u.name for u in measurements.units)
+    raw = Plan(resident=(), streamed=names, arena_bytes=2 * UNIT)
+    coded = replace(raw, coded=names)
+    load = CODED / LINK + UNIT / FAST_DECODE
+    # Four loads one after another on the copy stream, nothing to hide them under.
+    assert simulate(raw, measurements).step_s == pytest.approx(4 * UNIT / LINK)
+    assert simulate(coded, measurements).step_s == pytest.approx(4 * load)
+    assert simulate(raw, measurements).peak_bytes == 2 * UNIT
+    assert simulate(coded, measurements).peak_bytes == 2 * UNIT + CODED  # one staging buffer, aligned
+    with pytest.raises(PlanError, match="coded load pays"):
+        simulate(coded, replace(measurements, decode_bps=1.0))
+
+
+def test_plans_code_the_streamed_units_where_it_pays_and_budget_their_staging() -> None:
+    measurements = link_bound()
+    need, _ = minimal_need_bytes(measurements)
+    assert need == 2 * UNIT + CODED
+    plan = plan_offload(measurements, budget_bytes=need)
+    assert plan.resident == () and plan.coded == plan.streamed
+    assert plan.predicted_peak_bytes <= need
+    uncoded = plan_offload(link_bound(coded=None), budget_bytes=need)
+    assert plan.predicted_step_s < uncoded.predicted_step_s  # never slower: here faster
+    # Where the decode costs more than the copy saves, nothing is coded and nothing is staged.
+    slow = plan_offload(link_bound(decode_bps=1e8), budget_bytes=need)
+    assert slow.coded == () and minimal_need_bytes(link_bound(decode_bps=1e8))[0] == 2 * UNIT
+    assert slow.predicted_step_s == pytest.approx(uncoded.predicted_step_s)
+    # More room: fewer loads per step (here a third slot keeps two units from one step to the next).
+    roomy = plan_offload(measurements, budget_bytes=3 * UNIT + CODED)
+    assert roomy.coded == roomy.streamed and roomy.predicted_peak_bytes <= 3 * UNIT + CODED
+    assert roomy.predicted_step_s < plan.predicted_step_s
+    # Resident units are never coded.
+    assert plan_offload(measurements, budget_bytes=4 * UNIT) == plan_offload(link_bound(coded=None), 4 * UNIT)
+
+
+def test_coded_sizes_and_the_decode_speed_survive_a_profile() -> None:
+    measurements = link_bound()
+    assert from_json_data(to_json_data(measurements, Measurements), Measurements) == measurements
+    plan = plan_offload(measurements, budget_bytes=2 * UNIT + CODED)
+    assert from_json_data(to_json_data(plan, Plan), Plan) == plan
