@@ -105,6 +105,11 @@ def offload(
                 "share_host_memory=True with weights= is not supported yet: load the weights first "
                 "(or leave share_host_memory off)"
             )
+        if config.compression != "off":
+            raise ConfigError(
+                f"compression={config.compression!r} with weights= is not supported yet: load the weights "
+                "first (or leave compression off)"
+            )
         checkpoint = plan_checkpoint_load(model, weights)
     with Packing(model, selection, target, checkpoint) as packing:
         units = packing.pack_units(config)
@@ -123,6 +128,8 @@ def offload(
         if arena is not None and units:
             engine.link, engine.policy.host = probe_links(engine.store, arena)
             engine.store.forget_contents()  # the probe wrote over the arena
+            if config.compression == "lossless":
+                compress(engine, arena)
         if config.profile is not None:
             from .profile_reuse import start_from_profile
 
@@ -138,6 +145,21 @@ def offload(
         target.device,
     )
     return wrapper
+
+
+def compress(engine: OffloadEngine, arena: torch.Tensor) -> None:
+    """Hold compressed the packs whose loads that speeds up, and tell the planner (see [Note: coded
+    packs] in coded_packs.py)."""
+    from .coded_packs import compress_packs
+
+    assert engine.link is not None
+    store = engine.store
+    decode_bps = compress_packs(store, engine.link, arena)
+    if decode_bps is not None:
+        engine.policy.stream_coded(
+            decode_bps,
+            lambda: {u.name: u.pack.coded_nbytes for u in store.units if u.pack is not None and u.pack.coded},  # type: ignore[attr-defined]
+        )
 
 
 def engine_of(model: nn.Module) -> OffloadEngine:

@@ -99,6 +99,13 @@ class GraphCaptures:
                 "budget): raise host_memory_budget until every streamed unit is pinned, or compile "
                 "without mode='reduce-overhead'"
             )
+        coded = [u.name for u in streamed if u.pack is not None and u.pack.coded]
+        if coded:
+            raise UnsupportedOperationError(
+                f"a CUDA graph cannot capture the compressed loads of {', '.join(coded[:3])}"
+                f"{', ...' if len(coded) > 3 else ''} yet (compression='lossless'): compile without "
+                "mode='reduce-overhead', or offload with compression off"
+            )
         held = {u for u in streamed if holds_weights(u, owner)}
         if self.guaranteed is None:
             end = steady_end_state(streamed, owner)

@@ -166,6 +166,7 @@ class UnitPack:
     """
 
     disk = False  # a DiskPack (disk_tier.py) holds no host memory: its bytes stay in the checkpoint file
+    coded = False  # a CodedPack (coded_packs.py) holds its bytes compressed
     reader_pins = False  # its checkpoint reader page-locks it, unless unpinned first (see pin())
 
     def __init__(self, unit: str, entries: tuple[PackedParameter, ...], nbytes: int, pin: bool) -> None:
@@ -240,6 +241,11 @@ class UnitPack:
         if self._reading is not None:
             self.wait_read()
         return self._buffer
+
+    @property
+    def copy_source(self) -> torch.Tensor:
+        """The host bytes a copy of this pack moves to the device (a coded pack's are compressed)."""
+        return self.buffer
 
     @property
     def unread_buffer(self) -> torch.Tensor:

@@ -46,7 +46,8 @@ class UnitReport:
 
     ``copy_ms`` sums this unit's copies issued during the step (a prefetch for the next step included).
     ``wait_ms`` is the exposed wait: how long its compute waited for its copy. ``slot_start`` /
-    ``slot_end`` are its byte range in the arena, None for a resident unit.
+    ``slot_end`` are its byte range in the arena, None for a resident unit. ``coded_nbytes``: the size of
+    its host copy held compressed (``compression="lossless"``), what a load of it copies; None if raw.
     """
 
     name: str
@@ -57,6 +58,7 @@ class UnitReport:
     wait_ms: float
     slot_start: int | None
     slot_end: int | None
+    coded_nbytes: int | None = None
 
     @property
     def placement(self) -> str:
@@ -82,6 +84,9 @@ class Report:
     ``host_budget_bytes`` the host budget in force (see docs/host-memory.md); ``disk_bytes`` the weights
     streamed from the checkpoint file, with no host pack (the disk tier, not in ``host_bytes_held``), and
     ``read_ahead_bytes`` the pageable buffers they are read into ahead of their copies.
+    ``decode_gbps``: with ``compression="lossless"``, the decode speed probed at offload() (GB/s of
+    weights written); None when no unit is held compressed. Streamed bytes count the weights delivered,
+    compressed or not.
     """
 
     model: str
@@ -110,6 +115,7 @@ class Report:
     host_budget_bytes: int | None = None
     disk_bytes: int = 0
     read_ahead_bytes: int = 0
+    decode_gbps: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain JSON-ready data; each unit also gets ``placement`` and ``slot`` strings."""
@@ -218,6 +224,14 @@ class Report:
             if self.read_ahead_bytes:
                 host += f" through {format_bytes(self.read_ahead_bytes)} of read-ahead buffers"
         grid.add_row("host", host)
+        coded = [u for u in self.units if u.coded_nbytes is not None]
+        if coded and self.decode_gbps is not None:
+            ratio = sum(u.coded_nbytes or 0 for u in coded) / max(1, sum(u.nbytes for u in coded))
+            grid.add_row(
+                "compressed",
+                f"{len(coded)} unit(s) held at {ratio:.3f} of their size, decoded at "
+                f"{format_speed(self.decode_gbps * 1e9)}",
+            )
         budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         if self.peak_allocated_bytes is None:
             peak = f"not measured on {self.device}; predicted {format_bytes(self.predicted_peak_bytes)}"
@@ -361,6 +375,7 @@ def report(model: nn.Module) -> Report | PipelineReport:
                 wait_ms=unit.wait_s * 1e3 if unit is not None else 0.0,
                 slot_start=start,
                 slot_end=end,
+                coded_nbytes=state.pack.coded_nbytes if state.pack is not None and state.pack.coded else None,  # type: ignore[attr-defined]
             )
         )
 
@@ -398,4 +413,5 @@ def report(model: nn.Module) -> Report | PipelineReport:
         host_budget_bytes=engine.store.host.budget_bytes,
         disk_bytes=engine.store.disk_bytes(),
         read_ahead_bytes=engine.store.host.read_ahead_bytes,
+        decode_gbps=None if engine.policy.decode_bps is None else engine.policy.decode_bps / 1e9,
     )

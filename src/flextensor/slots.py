@@ -27,7 +27,7 @@ resident storage (``Unit.kept``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +83,9 @@ def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -
     cells = unit.cells
     for cell in cells:
         owner[cell] = None
-    if unit.staging is None:
+    if unit.pack.coded:  # type: ignore[union-attr]  # compressed: copied and decoded (coded_packs.py)
+        unit.pack.load(unit.storage)  # type: ignore[union-attr]
+    elif unit.staging is None:
         unit.storage.copy_(unit.pack.buffer, non_blocking=True)  # type: ignore[union-attr]
     elif unit.pack.disk:  # type: ignore[union-attr]  # read from the checkpoint (see disk_tier.py)
         unit.pack.copy_through(unit.staging, unit.storage, copy_stream)  # type: ignore[union-attr]
@@ -120,6 +122,8 @@ class DeviceStore:
         self.keep_packs = False  # a pipeline component gives its device bytes back between its steps
         self.host = HostBudget(None, runtime, pin)  # which packs are pinned; set_host_budget bounds it
         self.reserved: torch.Tensor | None = None  # see hold_in_reserve
+        self.coded_staging: torch.Tensor | None = None  # the device buffer coded loads go through
+        self.recode: Callable[[Unit], None] | None = None  # encodes a pack built again (coded_packs.py)
 
     def hold_in_reserve(self, nbytes: int) -> None:
         """Hold ``nbytes`` of device memory until the next layout, which frees it first and allocates into
@@ -193,6 +197,7 @@ class DeviceStore:
         arena_bytes = max(arena_bytes, idle_need, minimal_arena_bytes([u.nbytes for u in streamed]))
         layout = ring_layout([u.name for u in streamed], [u.nbytes for u in streamed], arena_bytes)
         self.arena = allocate_device_bytes(arena_bytes, self.runtime.device) if arena_bytes else None
+        self.allocate_coded_staging([*streamed, *idle])
         for unit in self.units:
             if unit in resident and unit not in kept:
                 self._upload_resident(unit)
@@ -217,6 +222,17 @@ class DeviceStore:
         self.counters.layouts += 1
         self._warm_start(streamed)
 
+    def allocate_coded_staging(self, placed: Sequence[Unit]) -> None:
+        """One device buffer for the coded loads of the units ``placed`` in the arena, as large as the
+        largest (see [Note: coded packs] in coded_packs.py); every coded pack loads through it."""
+        coded = [u.pack for u in placed if u.pack is not None and u.pack.coded]
+        if not coded:
+            return
+        largest = max(pack.coded_nbytes for pack in coded)  # type: ignore[attr-defined]
+        self.coded_staging = allocate_device_bytes(align_up(largest, UNIT_ALIGNMENT), self.runtime.device)
+        for pack in coded:
+            pack.staging = self.coded_staging  # type: ignore[attr-defined]
+
     def _free_device_bytes(self, staying: set[Unit]) -> set[Unit]:
         """Drop the arena and every unit's storage except that of units resident now and in ``staying``;
         return those kept, whose storage, bytes and parameters are left as they are.
@@ -238,7 +254,14 @@ class DeviceStore:
         self.arena = None
         self.reserved = None  # the new layout takes its place
         self.owner = []
+        self._drop_coded_staging()
         return kept
+
+    def _drop_coded_staging(self) -> None:
+        self.coded_staging = None
+        for unit in self.units:
+            if unit.pack is not None and unit.pack.coded:
+                unit.pack.staging = None  # type: ignore[attr-defined]
 
     def _upload_resident(self, unit: Unit) -> None:
         """Give a unit entering residency storage of its own, holding its weights for good."""
@@ -294,7 +317,8 @@ class DeviceStore:
         edited = unit.weights_version() != unit.storage_version
         if unit.pack is not None and not edited:
             return
-        if unit.pack is not None and unit.pack.disk:  # edited in place: the file no longer holds its weights
+        if unit.pack is not None and (unit.pack.disk or unit.pack.coded):
+            # Edited in place: the file no longer holds its weights, or the compressed bytes are stale.
             unit.pack.free()
             unit.pack = None
             unit.staging = None
@@ -306,6 +330,8 @@ class DeviceStore:
                 pack.free()
                 raise
             unit.pack = pack
+            if self.recode is not None:
+                self.recode(unit)  # held compressed again, as it was
             self.host.admit(unit, self.units)
             unit.pack_rebuilds += 1
             self.counters.pack_rebuilds += 1
@@ -349,9 +375,11 @@ class DeviceStore:
         return 0 if self.arena is None else self.arena.numel()
 
     def device_bytes_held(self) -> int:
-        """Device bytes held for units: the arena, resident units' storage and the reserve."""
+        """Device bytes held for units: the arena, resident units' storage, the reserve and the staging
+        buffer of coded loads."""
         reserved = 0 if self.reserved is None else self.reserved.numel()
-        return self.arena_bytes() + reserved + sum(u.nbytes for u in self.units if u.resident)
+        staging = 0 if self.coded_staging is None else self.coded_staging.numel()
+        return self.arena_bytes() + reserved + staging + sum(u.nbytes for u in self.units if u.resident)
 
     def host_bytes_held(self) -> int:
         """Host bytes held for units: their packs (a shared pack counts its range of the segment)."""
@@ -399,6 +427,7 @@ class DeviceStore:
                 unit.pack = None
         self.arena = None
         self.reserved = None
+        self.coded_staging = None
         self.owner = []
 
     def __repr__(self) -> str:

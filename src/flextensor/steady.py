@@ -120,7 +120,8 @@ class DirectStep(SteadyStep):
         copy_handle = self.copy_handle
         calls.wait(copy_handle, unit.compute_done)
         for upcoming in pending:
-            if upcoming.staging is not None:  # through the staging ring: torch's copies, on the copy stream
+            if upcoming.staging is not None or upcoming.pack.coded:  # type: ignore[union-attr]
+                # Through the staging ring, or compressed: torch's copies (and decode), on the copy stream.
                 current = self.store.runtime.current_stream()
                 self.set_stream(self.copy)
                 try:

@@ -233,7 +233,7 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
             if components is None:
                 raise  # a pipeline's components that are not offloaded need no editing
     for engine in engines:  # before any session begins: nothing to undo
-        _refuse_disk_units(engine)
+        _refuse_unwritable_packs(engine)
     sessions: list[EditSession] = []
     try:
         for engine in engines:
@@ -252,17 +252,31 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
             raise errors[0]
 
 
-def _refuse_disk_units(engine: OffloadEngine) -> None:
-    """The checkpoint file is the only copy of a disk unit's weights, and not ours to write (see
-    [Note: disk tier] in disk_tier.py)."""
-    on_disk = [u.name for u in engine.units.values() if u.pack is not None and u.pack.disk]
-    if on_disk:
-        raise UnsupportedOperationError(
-            f"{len(on_disk)} unit(s) of this model ({', '.join(on_disk[:4])}) stream from the checkpoint "
-            "file (their packs did not fit host_memory_budget), which is the only copy of their weights: "
-            "flextensor.editing cannot write them; raise host_memory_budget so every pack fits, or save "
-            "the edited weights to a new checkpoint and offload from it"
-        )
+_UNWRITABLE_PACKS = (
+    (
+        "disk",
+        "stream from the checkpoint file (their packs did not fit host_memory_budget), which is the only "
+        "copy of their weights: flextensor.editing cannot write them; raise host_memory_budget so every "
+        "pack fits, or save the edited weights to a new checkpoint and offload from it",
+    ),
+    (
+        "coded",
+        "hold their weights compressed (compression='lossless'): flextensor.editing cannot write them "
+        "yet; release the model, edit it and offload it again, or offload it with compression off",
+    ),
+)
+"""Packs editing cannot write, by the pack attribute that marks them: the checkpoint file is the only copy
+of a disk unit's weights, and not ours to write (see [Note: disk tier] in disk_tier.py); a compressed pack
+would have to be encoded again."""
+
+
+def _refuse_unwritable_packs(engine: OffloadEngine) -> None:
+    for kind, why in _UNWRITABLE_PACKS:
+        names = [u.name for u in engine.units.values() if u.pack is not None and getattr(u.pack, kind)]
+        if names:
+            raise UnsupportedOperationError(
+                f"{len(names)} unit(s) of this model ({', '.join(names[:4])}) {why}"
+            )
 
 
 class EditSession:

@@ -1,0 +1,252 @@
+"""Packs held losslessly compressed (``OffloadConfig(compression="lossless")``), and their loads.
+
+[Note: coded packs]
+At offload(), once the link's speed and the device's decode speed are probed, every unit whose coded load
+beats its raw copy (see [Note: coded loads] in measurements.py) gets its pack encoded (codec/) and the raw
+pack freed: host memory then holds the compressed bytes, pinned like any pack. The whole pack is encoded
+as one tensor of the unit's 16-bit dtype (bfloat16 or float16, whichever holds most of its bytes): every
+bit pattern round-trips, so parameters of other dtypes and the alignment padding pass through intact,
+just less compressed, and one decode rebuilds the whole arena range.
+
+A coded pack's buffer is ``[stream | chunk offsets (int64) | chunk widths]``: one copy moves everything a
+decode reads. A load copies it into the store's staging buffer and decodes it from there into the unit's
+range, both on the copy stream (the stream is current), so the next load's copy waits for this decode
+and one staging buffer serves every coded unit. On a CPU device the same happens with the reference
+decoder, so the CPU tests run this path.
+
+Everything else that reads a pack gets decoded bytes, a copy of its own each time (``buffer``, ``view``,
+``standalone_view``): uploads to resident storage, ``state_dict()``, ``release()``. A pack built again
+from device storage (a resident unit that streams again) is encoded again. Not supported with coded
+packs (refused where set): shared host memory, loading from a checkpoint, ``flextensor.editing``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .codec import EncodedTensor, decode, encode
+from .codec.format import CODED_DTYPES
+from .device import DeviceRuntime
+from .host_store import PackedParameter, UnitPack
+from .measurements import LinkModel
+from .sizes import align_up
+from .units import Placement
+
+if TYPE_CHECKING:
+    from .slots import DeviceStore
+    from .units import Unit
+
+logger = logging.getLogger("flextensor")
+
+__all__ = ["CodedPack", "coded_dtype", "coded_load_pays", "compress_packs", "probe_decode"]
+
+_INDEX_ALIGNMENT = 8  # the chunk offsets are int64
+
+
+def coded_dtype(entries: Sequence[PackedParameter]) -> torch.dtype | None:
+    """The 16-bit dtype a pack of ``entries`` is coded as: the one holding most of its bytes; None when
+    neither bfloat16 nor float16 holds half of them (the pack would barely shrink)."""
+    by_dtype = {dtype: sum(e.nbytes for e in entries if e.dtype == dtype) for dtype in CODED_DTYPES}
+    dtype, held = max(by_dtype.items(), key=lambda item: item[1])
+    total = sum(e.nbytes for e in entries)
+    return dtype if total and 2 * held >= total else None
+
+
+class CodedPack(UnitPack):
+    """A unit's pack holding its bytes losslessly compressed (see [Note: coded packs]). ``nbytes`` is the
+    unit's raw size, as for any pack; ``coded_nbytes`` what a load copies."""
+
+    coded = True
+
+    def __init__(
+        self, unit: str, entries: tuple[PackedParameter, ...], nbytes: int, encoded: EncodedTensor
+    ) -> None:
+        stream, offsets, widths = encoded.data, encoded.chunk_offsets, encoded.chunk_widths
+        self._stream_nbytes, self._chunks = stream.numel(), widths.numel()
+        self._offsets_at = align_up(stream.numel(), _INDEX_ALIGNMENT)
+        self._widths_at = self._offsets_at + offsets.nbytes
+        size = self._widths_at + widths.nbytes
+        super().__init__(unit, entries, size, pin=False)  # the host budget pins it, like any pack
+        self.coded_nbytes = size
+        self.nbytes = nbytes
+        self._dtype, self._chunk = encoded.dtype, encoded.chunk_elements
+        coded = self._buffer
+        coded[: stream.numel()].copy_(stream)
+        coded[self._offsets_at : self._widths_at].copy_(offsets.view(torch.uint8))
+        coded[self._widths_at :].copy_(widths)
+        self.staging: torch.Tensor | None = None  # the store's device staging buffer (see DeviceStore)
+
+    @classmethod
+    def encode(
+        cls,
+        unit: str,
+        entries: tuple[PackedParameter, ...],
+        raw: torch.Tensor,
+        device: torch.device | None = None,
+    ) -> CodedPack:
+        """The coded pack of ``raw`` (a unit's packed bytes, uint8; its layout ``entries``), encoded on
+        ``device`` (a CUDA device encodes many times faster than the CPU)."""
+        dtype = coded_dtype(entries)
+        assert dtype is not None and raw.numel() % 2 == 0
+        return cls(unit, entries, raw.numel(), encode(raw.view(dtype), device=device))
+
+    def encoded(self, data: torch.Tensor) -> EncodedTensor:
+        """The encoding over ``data``: this pack's bytes, or a copy of them (the staging buffer)."""
+        return EncodedTensor(
+            dtype=self._dtype,
+            shape=(self.nbytes // self._dtype.itemsize,),
+            chunk_elements=self._chunk,
+            data=data[: self._stream_nbytes],
+            chunk_offsets=data[self._offsets_at : self._widths_at].view(torch.int64),
+            chunk_widths=data[self._widths_at : self._widths_at + self._chunks],
+        )
+
+    # -- loads ----------------------------------------------------------------------------------------------
+
+    def load(self, storage: torch.Tensor) -> None:
+        """Copy the compressed bytes to the staging buffer and decode them into ``storage`` (the unit's
+        device bytes), on the current stream: the copy stream for every load (see [Note: coded packs])."""
+        staging = self.staging
+        assert staging is not None, f"unit {self.unit!r} has no staging buffer for its coded loads"
+        part = staging[: self.coded_nbytes]
+        part.copy_(self._buffer, non_blocking=True)
+        decode(self.encoded(part), out=storage.view(self._dtype))
+
+    # -- everything else reads decoded bytes ---------------------------------------------------------------
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The unit's raw bytes, decoded on the host into a new tensor (a one-off: an upload, a release)."""
+        raw = torch.empty(self.nbytes, dtype=torch.uint8)
+        decode(self.encoded(self._buffer), out=raw.view(self._dtype))
+        return raw
+
+    @property
+    def copy_source(self) -> torch.Tensor:
+        return self._buffer
+
+    @property
+    def unread_buffer(self) -> torch.Tensor:
+        return self.buffer
+
+    def unread_view(self, entry: PackedParameter) -> torch.Tensor:
+        return self.view(entry)
+
+    def view(self, entry: PackedParameter) -> torch.Tensor:
+        """``entry``'s weights, decoded: a copy, so writing to it never changes the pack."""
+        return entry.view(self.buffer)
+
+    def standalone_view(self, entry: PackedParameter) -> torch.Tensor:
+        return entry.shaped(self.view(entry).reshape(-1).clone()) if entry.numel else self.view(entry)
+
+    def fault_in(self) -> None:
+        return  # written at construction: its pages are mapped
+
+    def __repr__(self) -> str:
+        return (
+            f"CodedPack({self.unit!r}, {len(self.entries)} parameters, {self.nbytes} bytes coded in "
+            f"{self.coded_nbytes} ({self.coded_nbytes / max(self.nbytes, 1):.3f}), pinned={self.pinned})"
+        )
+
+
+def coded_load_pays(raw_nbytes: int, coded_nbytes: int, link: LinkModel, decode_bps: float) -> bool:
+    """Whether a coded load of a unit beats its raw copy (see [Note: coded loads] in measurements.py)."""
+    return link.copy_s(coded_nbytes) + raw_nbytes / decode_bps < link.copy_s(raw_nbytes)
+
+
+def probe_decode(runtime: DeviceRuntime, pack: CodedPack, destination: torch.Tensor) -> float:
+    """The device's decode speed, bytes of weights written per second: ``pack`` decoded into
+    ``destination`` (the arena) from a device copy of its bytes, host clock around each decode, median
+    of three."""
+    on_device = pack.copy_source.to(runtime.device)
+    encoded = pack.encoded(on_device)
+    out = destination[: pack.nbytes].view(encoded.dtype)
+    times = []
+    for _ in range(3):
+        runtime.synchronize()
+        start = time.perf_counter()
+        decode(encoded, out=out)
+        runtime.synchronize()
+        times.append(time.perf_counter() - start)
+    return pack.nbytes / max(sorted(times)[1], 1e-9)
+
+
+def compress_packs(store: DeviceStore, link: LinkModel, arena: torch.Tensor) -> float | None:
+    """At offload(), with ``compression="lossless"``: encode the packs whose coded loads beat their raw
+    copies on this link (see [Note: coded packs]) and return the decode speed measured, or None when
+    no unit's load gets faster (a CPU device: its decoder is slower than a memcpy)."""
+    runtime = store.runtime
+    candidates = [
+        u
+        for u in store.units
+        if u.pack is not None
+        and type(u.pack) is UnitPack
+        and not u.pack.shared
+        and coded_dtype(u.entries) is not None
+        and u.nbytes % 2 == 0
+    ]
+    if not candidates:
+        return None
+    encode_on = runtime.device if runtime.is_cuda else None
+    largest = max(candidates, key=lambda u: u.nbytes)
+    assert largest.pack is not None
+    probe = CodedPack.encode(largest.name, largest.entries, largest.pack.buffer, encode_on)
+    decode_bps = probe_decode(runtime, probe, arena)
+    store.forget_contents()  # the probe wrote over the arena
+    if not coded_load_pays(largest.nbytes, probe.coded_nbytes, link, decode_bps):
+        probe.free()
+        logger.info(
+            "compression='lossless': decoding at %.1f GB/s loads no unit faster than the link's %.1f GB/s "
+            "copies; every unit is copied as it is",
+            decode_bps / 1e9,
+            link.bytes_per_s(largest.nbytes) / 1e9,
+        )
+        return None
+    coded = 0
+    for unit in candidates:
+        assert unit.pack is not None
+        pack = (
+            probe
+            if unit is largest
+            else CodedPack.encode(unit.name, unit.entries, unit.pack.buffer, encode_on)
+        )
+        if coded_load_pays(unit.nbytes, pack.coded_nbytes, link, decode_bps):
+            swap_in(store, unit, pack)
+            coded += 1
+        else:
+            pack.free()
+    store.recode = lambda unit: recode(store, unit, encode_on)
+    store.allocate_coded_staging([u for u in store.units if u.placement is Placement.STREAMED])
+    logger.info(
+        "compression='lossless': %d of %d unit(s) held compressed (%.3f of their size), decoded at %.1f GB/s",
+        coded,
+        len(store.units),
+        sum(u.pack.coded_nbytes for u in store.units if u.pack is not None and u.pack.coded)  # type: ignore[attr-defined]
+        / max(1, sum(u.nbytes for u in store.units if u.pack is not None and u.pack.coded)),
+        decode_bps / 1e9,
+    )
+    return decode_bps
+
+
+def swap_in(store: DeviceStore, unit: Unit, pack: CodedPack) -> None:
+    """Hold ``unit``'s weights in ``pack`` from now on, freeing its raw pack (nothing views it: the
+    parameters view the device), pinned as the host budget allows."""
+    old, unit.pack = unit.pack, pack
+    unit.staging = None
+    if old is not None:
+        old.free()
+    store.host.admit(unit, store.units)
+
+
+def recode(store: DeviceStore, unit: Unit, encode_on: torch.device | None) -> None:
+    """A pack built again from device storage (see DeviceStore._refresh_pack) is held compressed again."""
+    raw = unit.pack
+    if raw is None or raw.coded or coded_dtype(unit.entries) is None:
+        return
+    unit.pack = CodedPack.encode(unit.name, unit.entries, raw.buffer, encode_on)
+    raw.free()

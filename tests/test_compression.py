@@ -1,0 +1,133 @@
+"""``compression="lossless"``: packs held compressed, loads decoded into the arena, outputs bit for bit (see
+[Note: coded packs] in coded_packs.py). On a CPU the reference decoder is slower than a memcpy, so no unit
+is compressed unless the decode speed is forced up: these tests force it, and the real path runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flextensor
+from flextensor.api import engine_of
+from flextensor.coded_packs import CodedPack
+from flextensor.errors import ConfigError, UnsupportedOperationError
+from real_models import llama_inputs, tiny_llama
+from streaming import streaming_config
+
+
+@pytest.fixture
+def fast_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder faster than any link: every unit's coded load pays."""
+    monkeypatch.setattr("flextensor.coded_packs.probe_decode", lambda runtime, pack, destination: 1e15)
+
+
+def bf16_llama(layers: int = 4) -> torch.nn.Module:
+    return tiny_llama(layers=layers, tie=False, hidden=64).to(torch.bfloat16)
+
+
+def compressed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` offloaded with every decoder layer streamed and compressed: the tightest budget (two
+    layers in flight) plus the staging buffer of the coded loads (under a layer's size), no room for a
+    resident layer."""
+    tightest = streaming_config(model, ["model.layers.*"]).gpu_memory_budget
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    config = streaming_config(model, ["model.layers.*"], compression="lossless")
+    return flextensor.offload(model, config.model_copy(update={"gpu_memory_budget": tightest + layer}))
+
+
+def test_compressed_streaming_is_bit_for_bit(fast_decoder: None) -> None:
+    reference = bf16_llama()
+    model = compressed(bf16_llama())
+    engine = engine_of(model)
+    packs = [u.pack for u in engine.units.values()]
+    assert all(isinstance(p, CodedPack) for p in packs)
+    raw = sum(u.nbytes for u in engine.units.values())
+    assert engine.store.host_bytes_held() < 0.8 * raw  # held compressed (random weights: ~0.7)
+    inputs = llama_inputs()
+    with torch.no_grad():
+        want = reference(inputs).logits
+        outs = [model(inputs).logits for _ in range(5)]
+    assert flextensor.phase(model) == "inference"
+    assert all(torch.equal(out, want) for out in outs)
+    plan = engine.current.plan  # type: ignore[union-attr]
+    assert plan.streamed and plan.coded == plan.streamed  # every streamed unit loads coded
+    assert engine.store.coded_staging is not None
+    assert engine.policy.planned(engine.current.measurements).decode_bps == 1e15  # type: ignore[union-attr]
+    report = flextensor.report(model)
+    assert report.decode_gbps == 1e6
+    assert all(u.coded_nbytes is not None and u.coded_nbytes < 0.8 * u.nbytes for u in report.units)
+    assert "held at 0.7" in str(report)
+
+
+def test_the_weights_read_back_are_the_originals(fast_decoder: None) -> None:
+    reference = bf16_llama()
+    model = compressed(bf16_llama())
+    with torch.no_grad():
+        model(llama_inputs())
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
+    flextensor.release(model)
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(got, want), name
+
+
+def test_a_decoder_slower_than_the_link_compresses_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """The CPU's reference decoder against a CPU "link" (a memcpy): no load gets faster."""
+    reference = bf16_llama(layers=2)
+    with caplog.at_level("INFO", logger="flextensor"):
+        model = compressed(bf16_llama(layers=2))
+    assert not any(u.pack.coded for u in engine_of(model).units.values())  # type: ignore[union-attr]
+    assert "every unit is copied as it is" in caplog.text
+    inputs = llama_inputs()
+    with torch.no_grad():
+        assert torch.equal(model(inputs).logits, reference(inputs).logits)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"share_host_memory": True}, "share_host_memory"),
+        ({"host_memory_budget": "1GiB"}, "host_memory_budget"),
+    ],
+)
+def test_compression_with_what_it_does_not_support_yet_is_refused(fields: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        flextensor.OffloadConfig(compression="lossless", **fields)
+    with pytest.raises(ConfigError, match="'off' or 'lossless'"):
+        flextensor.OffloadConfig(compression="zstd")
+
+
+def test_editing_a_compressed_model_is_refused_and_changes_nothing(fast_decoder: None) -> None:
+    reference = bf16_llama(layers=2)
+    model = compressed(bf16_llama(layers=2))
+    inputs = llama_inputs()
+    with pytest.raises(UnsupportedOperationError, match="compressed"), flextensor.editing(model):
+        pass
+    with torch.no_grad():
+        assert torch.equal(model(inputs).logits, reference(inputs).logits)
+
+
+def test_a_pack_built_again_from_device_storage_is_held_compressed_again(fast_decoder: None) -> None:
+    """A unit resident in every plan drops its host pack; when its storage goes (here: the device
+    memory given back, as a pipeline's component does), the pack is built again, and compressed."""
+    reference = bf16_llama()
+    model = bf16_llama()
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    config = streaming_config(model, ["model.layers.*"], compression="lossless")
+    budget = (
+        streaming_config(model, ["model.layers.*"]).gpu_memory_budget + 3 * layer
+    )  # room for two residents
+    model = flextensor.offload(model, config.model_copy(update={"gpu_memory_budget": budget}))
+    engine = engine_of(model)
+    engine.policy.plan_for_every_input()  # plans as if the link were the bottleneck: residents
+    inputs = llama_inputs()
+    with torch.no_grad():
+        for _ in range(4):
+            model(inputs)
+    dropped = [u for u in engine.units.values() if u.pack is None]
+    assert dropped  # resident in every plan: the device holds the only copy
+    assert engine.vacate() > 0
+    assert all(isinstance(u.pack, CodedPack) and u.pack_rebuilds == 1 for u in dropped)
+    with torch.no_grad():
+        assert torch.equal(model(inputs).logits, reference(inputs).logits)
