@@ -36,6 +36,7 @@ on its own with ``module.compile()``, as diffusers' ``compile_repeated_blocks``;
 (``torch.compile(model, mode="reduce-overhead")``: CUDA graphs). ``native/compile=regional`` is the
 native compiled reference for ``ours/compile=regional``. ``cap=24GiB`` runs that method under a GPU
 memory cap of its own (``set_per_process_memory_fraction``), in place of the workload's.
+``compression=lossless`` runs ours with ``OffloadConfig(compression="lossless")``.
 
 Each method's setup runs inside its own worker process (``benchmarks.worker``); this module only
 defines what "set up" means and how the method reports its phase and streamed bytes.
@@ -69,7 +70,16 @@ METHOD_NAMES = (
     "diffusers_model_offload",
     "accelerate",
 )
-OPTION_KEYS = ("timeout", "min_steps", "max_steps", "step_budget", "max_warmup", "compile", "cap")
+OPTION_KEYS = (
+    "timeout",
+    "min_steps",
+    "max_steps",
+    "step_budget",
+    "max_warmup",
+    "compile",
+    "cap",
+    "compression",
+)
 COMPILE_MODES = ("regional", "whole", "graphs")
 PEER_VERSION = "0.5.0"
 
@@ -89,7 +99,7 @@ class MethodSpec:
     def label(self) -> str:
         """The spec without runner options (``compile`` kept): the name used in tables and plots."""
         label = self.name if self.arg is None else f"{self.name}:{self.arg}"
-        for key in ("compile", "cap"):  # these change what runs, not how long it is timed
+        for key in ("compile", "cap", "compression"):  # these change what runs, not how long it is timed
             if key in self.options:
                 label += f"/{key}={self.options[key]}"
         return label
@@ -149,6 +159,8 @@ def unsupported_reason(ms: MethodSpec, w: Workload, device: str) -> str | None:
         return f"{ms.family} is benchmarked uncompiled"
     if compile_mode not in (None, "regional") and ms.family == "flextensor050":
         return "flextensor 0.5.0 compiles per unit only (compile_fn)"
+    if "compression" in ms.options and ms.family != "ours":
+        return "compression is flextensor's (OffloadConfig.compression)"
     if ms.name == "native_ref" and (w.memory_cap_bytes is None or not cuda):
         return "no memory cap on this run: plain native is the reference"
     pipeline = w.kind == "wan_pipeline"
@@ -311,6 +323,8 @@ def _prepare_uncompiled(
             kwargs["gpu_memory_budget"] = ms.arg
         elif ms.name == "ours_frac":
             kwargs["max_gpu_mem_fraction"] = float(ms.arg or 0)
+        if "compression" in ms.options:
+            kwargs["compression"] = ms.options["compression"]
         cfg = ft.OffloadConfig(**kwargs)
         wrapped = ft.offload(model, config=cfg)
         info = {"impl_file": ft.__file__, "impl_version": getattr(ft, "__version__", None), "config": kwargs}

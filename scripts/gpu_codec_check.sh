@@ -3,6 +3,7 @@
 # bit for bit (and a GPU encode against the CPU one), then the decode throughput, decode next to compute,
 # and compressed copy + decode behind the link. Needs no carried wheels (torch + triton are on the image,
 # hypothesis only for tests/test_codec.py). Fits well inside a 10-minute device call.
+# ENGINE=1 (default) then benchmarks offload() with compression on llama32_decode_b1 and llama32.
 #   device tool: command: bash scripts/gpu_codec_check.sh
 set -u
 export PYTHONPATH="$PWD/src:$PWD/tests:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -13,3 +14,14 @@ echo "== GPU tests"
 python3 -m pytest tests/test_codec_gpu.py -m gpu -q -p no:cacheprovider 2>&1 | tail -6
 echo "== decode benchmark"
 python3 -m benchmarks.codec_decode 2>&1 | tail -40
+if [ "${ENGINE:-1}" = 1 ]; then
+    # Compressed streaming end to end (issue 16, Must 4): decode at batch 1 and prefill under a budget,
+    # with and without compression, in one invocation each (the same process order every time).
+    out=${OUT:-benchmarks/results}
+    export FLEXTENSOR_BENCH_CACHE=${FLEXTENSOR_BENCH_CACHE:-/tmp/ftcache}
+    python3 -m benchmarks.run --workload llama32_decode_b1 --device cuda --out "$out" --deadline 200 \
+        --timeout 120 --min-steps 5 --methods "native,ours_budget:8GiB,ours_budget:8GiB/compression=lossless" \
+        2>&1 | tail -6
+    python3 -m benchmarks.run --workload llama32 --device cuda --out "$out" --deadline 200 --timeout 120 \
+        --min-steps 5 --methods "native,ours_budget:6GiB,ours_budget:6GiB/compression=lossless" 2>&1 | tail -6
+fi

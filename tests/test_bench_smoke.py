@@ -182,6 +182,10 @@ def test_method_specs_and_sizes_parse() -> None:
     assert parse_bytes("5.7GiB") == int(5.7 * 2**30) and parse_bytes("24 GB") == 24 * 10**9
     compiled = parse_method("ours_budget:5.7GB/compile=regional/timeout=90")
     assert compiled.label == "ours_budget:5.7GB/compile=regional" and compiled.family == "ours"
+    coded = parse_method("ours_budget:8GiB/compression=lossless/timeout=90")
+    assert (
+        coded.label == "ours_budget:8GiB/compression=lossless" and coded.options["compression"] == "lossless"
+    )
     for bad in ("nope", "ours_budget", "ours/steps=3", "ours/compile=fast"):
         with pytest.raises(ValueError):
             parse_method(bad)

@@ -131,3 +131,50 @@ def test_a_pack_built_again_from_device_storage_is_held_compressed_again(fast_de
     assert all(isinstance(u.pack, CodedPack) and u.pack_rebuilds == 1 for u in dropped)
     with torch.no_grad():
         assert torch.equal(model(inputs).logits, reference(inputs).logits)
+
+
+def test_a_profile_saved_with_compression_starts_the_next_run_compressed(
+    fast_decoder: None, tmp_path
+) -> None:
+    """The profile records each unit's compressed size and the decode speed; a run started from it
+    (compressed too) is in steady state at once and still bit for bit."""
+    reference = bf16_llama()
+    model = compressed(bf16_llama())
+    inputs = llama_inputs()
+    with torch.no_grad():
+        for _ in range(4):
+            model(inputs)
+    path = tmp_path / "coded.ftprofile.json"
+    flextensor.save_profile(model, path)
+    saved = engine_of(model).current.measurements  # type: ignore[union-attr]
+    assert saved.decode_bps == 1e15 and all(u.coded_nbytes for u in saved.units)
+    flextensor.release(model)
+    again = bf16_llama()
+    budget = streaming_config(again, ["model.layers.*"]).gpu_memory_budget
+    layer = sum(p.numel() * p.element_size() for p in again.model.layers[0].parameters())
+    config = flextensor.OffloadConfig(
+        include_patterns=["model.layers.*"],
+        device="cpu",
+        gpu_memory_budget=budget + layer,
+        compression="lossless",
+        profile=path,
+    )
+    again = flextensor.offload(again, config)
+    assert flextensor.phase(again) == "inference"
+    with torch.no_grad():
+        assert torch.equal(again(inputs).logits, reference(inputs).logits)
+    assert engine_of(again).current.plan.coded  # type: ignore[union-attr]
+
+
+def test_compressed_streaming_under_torch_compile_is_bit_for_bit(fast_decoder: None) -> None:
+    """Whole-model compile: the unit ops load (copy and decode) like the eager hooks."""
+    reference = bf16_llama(layers=2)
+    model = compressed(bf16_llama(layers=2))
+    inputs = llama_inputs()
+    with torch.no_grad():
+        for _ in range(3):  # learning runs eager
+            model(inputs)
+        compiled = torch.compile(model)
+        outs = [compiled(inputs).logits for _ in range(2)]
+        want = torch.compile(reference)(inputs).logits
+    assert all(torch.equal(out, want) for out in outs)
