@@ -9,10 +9,15 @@ bit pattern round-trips, so parameters of other dtypes and the alignment padding
 just less compressed, and one decode rebuilds the whole arena range.
 
 A coded pack's buffer is ``[stream | chunk offsets (int64) | chunk widths]``: one copy moves everything a
-decode reads. A load copies it into the store's staging buffer and decodes it from there into the unit's
-range, both on the copy stream (the stream is current), so the next load's copy waits for this decode
-and one staging buffer serves every coded unit. On a CPU device the same happens with the reference
-decoder, so the CPU tests run this path.
+decode reads. A load (:class:`CodedLoads`) copies it into one of two device staging slots on the copy
+stream, then decodes it from there into the unit's arena range on a decode stream of its own, which
+records the event the unit's pre-hook waits on: the next load's copy runs while this one decodes. A slot
+is copied into again only after the decode that read it (an event per slot). The decode writes the range
+after everything the copy stream was ordered after (it waits for the copy's event), so it never
+overtakes a reader of the range; a load out of the learned order also waits for the last decode, since
+it may write a range a decode still writes (loads in the planned order never do: the ring orders each
+after the compute of the units whose range it takes, which waited for their decodes). On a CPU device
+the same happens with the reference decoder and the host's stand-in streams, so the CPU tests run it.
 
 Everything else that reads a pack gets decoded bytes, a copy of its own each time (``buffer``, ``view``,
 ``standalone_view``): uploads to resident storage, ``state_dict()``, ``release()``. A pack built again
@@ -24,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,7 +48,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["CodedPack", "coded_dtype", "coded_load_pays", "compress_packs", "probe_decode"]
+__all__ = ["CodedLoads", "CodedPack", "coded_dtype", "coded_load_pays", "compress_packs", "probe_decode"]
 
 _INDEX_ALIGNMENT = 8  # the chunk offsets are int64
 
@@ -74,12 +79,12 @@ class CodedPack(UnitPack):
         super().__init__(unit, entries, size, pin=False)  # the host budget pins it, like any pack
         self.coded_nbytes = size
         self.nbytes = nbytes
-        self._dtype, self._chunk = encoded.dtype, encoded.chunk_elements
+        self.dtype, self._chunk = encoded.dtype, encoded.chunk_elements
         coded = self._buffer
         coded[: stream.numel()].copy_(stream)
         coded[self._offsets_at : self._widths_at].copy_(offsets.view(torch.uint8))
         coded[self._widths_at :].copy_(widths)
-        self.staging: torch.Tensor | None = None  # the store's device staging buffer (see DeviceStore)
+        self.loads: CodedLoads | None = None  # the store's, set at each layout (see DeviceStore)
 
     @classmethod
     def encode(
@@ -98,24 +103,13 @@ class CodedPack(UnitPack):
     def encoded(self, data: torch.Tensor) -> EncodedTensor:
         """The encoding over ``data``: this pack's bytes, or a copy of them (the staging buffer)."""
         return EncodedTensor(
-            dtype=self._dtype,
-            shape=(self.nbytes // self._dtype.itemsize,),
+            dtype=self.dtype,
+            shape=(self.nbytes // self.dtype.itemsize,),
             chunk_elements=self._chunk,
             data=data[: self._stream_nbytes],
             chunk_offsets=data[self._offsets_at : self._widths_at].view(torch.int64),
             chunk_widths=data[self._widths_at : self._widths_at + self._chunks],
         )
-
-    # -- loads ----------------------------------------------------------------------------------------------
-
-    def load(self, storage: torch.Tensor) -> None:
-        """Copy the compressed bytes to the staging buffer and decode them into ``storage`` (the unit's
-        device bytes), on the current stream: the copy stream for every load (see [Note: coded packs])."""
-        staging = self.staging
-        assert staging is not None, f"unit {self.unit!r} has no staging buffer for its coded loads"
-        part = staging[: self.coded_nbytes]
-        part.copy_(self._buffer, non_blocking=True)
-        decode(self.encoded(part), out=storage.view(self._dtype))
 
     # -- everything else reads decoded bytes ---------------------------------------------------------------
 
@@ -123,7 +117,7 @@ class CodedPack(UnitPack):
     def buffer(self) -> torch.Tensor:
         """The unit's raw bytes, decoded on the host into a new tensor (a one-off: an upload, a release)."""
         raw = torch.empty(self.nbytes, dtype=torch.uint8)
-        decode(self.encoded(self._buffer), out=raw.view(self._dtype))
+        decode(self.encoded(self._buffer), out=raw.view(self.dtype))
         return raw
 
     @property
@@ -152,6 +146,55 @@ class CodedPack(UnitPack):
             f"CodedPack({self.unit!r}, {len(self.entries)} parameters, {self.nbytes} bytes coded in "
             f"{self.coded_nbytes} ({self.coded_nbytes / max(self.nbytes, 1):.3f}), pinned={self.pinned})"
         )
+
+
+class CodedLoads:
+    """The device side of coded loads: two staging slots, the decode stream and their events (see
+    [Note: coded packs]). Built by the store at each layout that places a coded unit."""
+
+    SLOTS = 2
+
+    def __init__(
+        self, runtime: DeviceRuntime, slot_bytes: int, allocate: Callable[[int], torch.Tensor]
+    ) -> None:
+        self.runtime = runtime
+        self.slots = [allocate(slot_bytes) for _ in range(self.SLOTS)]
+        self.decode_stream = (
+            torch.cuda.Stream(device=runtime.device) if runtime.is_cuda else runtime.copy_stream
+        )
+        self.copied = [runtime.event() for _ in range(self.SLOTS)]
+        self.freed = [runtime.event() for _ in range(self.SLOTS)]  # the decode that last read the slot
+        self.last_decode = runtime.event()
+        self.next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.numel() for slot in self.slots)
+
+    def load(self, unit: Unit, copy_stream: Any) -> None:
+        """Copy ``unit``'s compressed pack into a slot (on ``copy_stream``, the current stream) and decode
+        it into the unit's range on the decode stream, which records ``unit.copy_done``."""
+        pack = unit.pack
+        assert isinstance(pack, CodedPack) and unit.storage is not None
+        index, self.next = self.next, (self.next + 1) % self.SLOTS
+        slot = self.slots[index][: pack.coded_nbytes]
+        copy_stream.wait_event(self.freed[index])
+        slot.copy_(pack.copy_source, non_blocking=True)
+        self.copied[index].record(copy_stream)
+        decode_stream = self.decode_stream
+        decode_stream.wait_event(self.copied[index])
+        self.runtime.set_stream(decode_stream)
+        try:
+            decode(pack.encoded(slot), out=unit.storage.view(pack.dtype))
+            unit.copy_done.record(decode_stream)
+            self.freed[index].record(decode_stream)
+            self.last_decode.record(decode_stream)
+        finally:
+            self.runtime.set_stream(copy_stream)
+
+    def fence(self, copy_stream: Any) -> None:
+        """Order what ``copy_stream`` issues next after every decode issued so far."""
+        copy_stream.wait_event(self.last_decode)
 
 
 def coded_load_pays(raw_nbytes: int, coded_nbytes: int, link: LinkModel, decode_bps: float) -> bool:
@@ -221,7 +264,7 @@ def compress_packs(store: DeviceStore, link: LinkModel, arena: torch.Tensor) -> 
         else:
             pack.free()
     store.recode = lambda unit: recode(store, unit, encode_on)
-    store.allocate_coded_staging([u for u in store.units if u.placement is Placement.STREAMED])
+    store.allocate_coded_loads([u for u in store.units if u.placement is Placement.STREAMED])
     logger.info(
         "compression='lossless': %d of %d unit(s) held compressed (%.3f of their size), decoded at %.1f GB/s",
         coded,

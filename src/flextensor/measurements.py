@@ -4,12 +4,15 @@ Pure data: no torch. Times are seconds of device time, sizes are bytes. Saved in
 (``@record``: see json_codec.py).
 
 [Note: coded loads]
-With ``compression="lossless"`` a unit's pack may be held compressed (codec/). Its load then moves the
-compressed bytes into a device staging buffer and decodes them into the unit's arena range, both on the
-copy stream, one after the other: the load holds the copy stream for ``copy_s(coded_nbytes) + nbytes /
-decode_bps``, and the next load starts after the decode, so one staging buffer (the largest coded
-streamed unit) is enough. A unit is loaded coded only where that is faster than its raw copy; compute is
-unchanged (the decode runs beside it, as copies do). The planner counts the staging buffer in the peak.
+With ``compression="lossless"`` a unit's pack may be held compressed (codec/, coded_packs.py). Its load
+copies the compressed bytes into one of two device staging slots on the copy stream, then decodes them
+into the unit's arena range on a decode stream, so the next load's copy runs while this one decodes. The
+model charges each coded load ``copy_s(coded_nbytes) + nbytes / decode_bps`` on the copy stream: exact for
+when the unit is ready, pessimistic for how soon the next copy starts (it overlaps the decode). A unit is
+held compressed only where its coded load is faster than its raw copy on this link (decided at
+offload(), coded_packs.compress_packs); compute is unchanged. The planner counts the two staging slots
+(each the largest coded streamed unit) in the peak: under a budget of a few units that room could have
+kept more in the arena, so there compression can make a step slower (it is off by default).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class UnitMeasurement:
     ``gap_before_s``: device time between the end of the previous unit (or the step's start) and this
     unit's start: the compute of modules that are not units (embeddings, a final norm, glue).
     ``activation_bytes``: peak allocated during its forward above what was allocated when it started.
-    ``coded_nbytes``: bytes its pack takes losslessly compressed (``compression="lossless"``): what a coded
-    copy moves; None when it is not compressed.
+    ``coded_nbytes``: bytes its pack takes losslessly compressed (``compression="lossless"``): what its
+    loads copy before decoding; None when it is not held compressed.
     """
 
     name: str
@@ -109,16 +112,14 @@ class Measurements:
     decode_bps: BytesPerSecond | None = None
 
     def coded_load_s(self, unit: UnitMeasurement) -> float | None:
-        """How long ``unit``'s coded load holds the copy stream, when coding pays: its compressed bytes over
-        the link, then its decode (see [Note: coded loads]); None when it is not compressed or a raw copy is
-        no slower."""
+        """How long ``unit``'s coded load holds the copy stream: its compressed bytes over the link, then
+        its decode (see [Note: coded loads]); None when it is not held compressed."""
         if unit.coded_nbytes is None or not self.decode_bps:
             return None
-        coded = self.link.copy_s(unit.coded_nbytes) + unit.nbytes / self.decode_bps
-        return coded if coded < self.link.copy_s(unit.nbytes) else None
+        return self.link.copy_s(unit.coded_nbytes) + unit.nbytes / self.decode_bps
 
     def load_s(self, unit: UnitMeasurement) -> float:
-        """How long ``unit``'s load holds the copy stream: coded where that pays, else a raw copy."""
+        """How long ``unit``'s load holds the copy stream: coded when it is held compressed, else a copy."""
         coded = self.coded_load_s(unit)
         return self.link.copy_s(unit.nbytes) if coded is None else coded
 

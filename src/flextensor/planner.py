@@ -111,7 +111,7 @@ class _Search:
         self.padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in units]
         self.compute = [u.compute_s for u in units]
         self.gaps = [u.gap_before_s for u in units]
-        self.copy_s = [measurements.load_s(u) for u in units]  # coded where that pays
+        self.copy_s = [measurements.load_s(u) for u in units]  # coded when held compressed
         self.coded_nbytes = [
             (u.coded_nbytes or 0) if measurements.coded_load_s(u) is not None else 0 for u in units
         ]

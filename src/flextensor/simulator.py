@@ -47,6 +47,9 @@ from .measurements import LinkModel, Measurements
 from .plan import Plan
 from .sizes import align_up
 
+CODED_STAGING_SLOTS = 2
+"""Staging slots of coded loads: a copy fills one while the decode stream reads the other."""
+
 DEFAULT_STEPS = 2
 """Forwards simulated: a cold one and a steady one. Each step starts with both streams idle (see [Note:
 what the simulator models]), so the second starts in the state every later one does."""
@@ -127,9 +130,9 @@ def peak_bytes(
 
 
 def coded_staging_bytes(coded_nbytes: Sequence[int]) -> int:
-    """The device buffer coded loads go through: the largest of them (one at a time on the copy stream,
-    see [Note: coded loads] in measurements.py)."""
-    return align_up(max(coded_nbytes, default=0), UNIT_ALIGNMENT)
+    """The device slots coded loads go through: two of the largest (one being decoded while the next is
+    copied, see [Note: coded loads] in measurements.py)."""
+    return CODED_STAGING_SLOTS * align_up(max(coded_nbytes, default=0), UNIT_ALIGNMENT)
 
 
 @dataclass
@@ -305,9 +308,7 @@ def _check_plan(plan: Plan, measurements: Measurements) -> None:
     by_name = measurements.by_name()
     for name in plan.coded:
         if name not in streamed or name in plan.staged or measurements.coded_load_s(by_name[name]) is None:
-            raise PlanError(
-                f"plan.coded names {name}, which is not a streamed, unstaged unit whose coded load pays"
-            )
+            raise PlanError(f"plan.coded names {name}, which is not a streamed, unstaged, compressed unit")
 
 
 def simulate(

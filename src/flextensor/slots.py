@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from .host_store import UnitPack
 from .layout import UNIT_ALIGNMENT, minimal_arena_bytes, occupancy_cells, ring_layout
 from .sizes import align_up, format_bytes
 from .units import Placement, Unit
+
+if TYPE_CHECKING:
+    from .coded_packs import CodedLoads
 
 logger = logging.getLogger("flextensor")
 
@@ -83,9 +87,12 @@ def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -
     cells = unit.cells
     for cell in cells:
         owner[cell] = None
-    if unit.pack.coded:  # type: ignore[union-attr]  # compressed: copied and decoded (coded_packs.py)
-        unit.pack.load(unit.storage)  # type: ignore[union-attr]
-    elif unit.staging is None:
+    if unit.pack.coded:  # type: ignore[union-attr]  # compressed: copied, then decoded (coded_packs.py)
+        unit.pack.loads.load(unit, copy_stream)  # type: ignore[union-attr]  # records copy_done itself
+        for cell in cells:
+            owner[cell] = unit
+        return
+    if unit.staging is None:
         unit.storage.copy_(unit.pack.buffer, non_blocking=True)  # type: ignore[union-attr]
     elif unit.pack.disk:  # type: ignore[union-attr]  # read from the checkpoint (see disk_tier.py)
         unit.pack.copy_through(unit.staging, unit.storage, copy_stream)  # type: ignore[union-attr]
@@ -122,7 +129,7 @@ class DeviceStore:
         self.keep_packs = False  # a pipeline component gives its device bytes back between its steps
         self.host = HostBudget(None, runtime, pin)  # which packs are pinned; set_host_budget bounds it
         self.reserved: torch.Tensor | None = None  # see hold_in_reserve
-        self.coded_staging: torch.Tensor | None = None  # the device buffer coded loads go through
+        self.coded_loads: CodedLoads | None = None  # staging slots and decode stream of coded loads
         self.recode: Callable[[Unit], None] | None = None  # encodes a pack built again (coded_packs.py)
 
     def hold_in_reserve(self, nbytes: int) -> None:
@@ -197,7 +204,7 @@ class DeviceStore:
         arena_bytes = max(arena_bytes, idle_need, minimal_arena_bytes([u.nbytes for u in streamed]))
         layout = ring_layout([u.name for u in streamed], [u.nbytes for u in streamed], arena_bytes)
         self.arena = allocate_device_bytes(arena_bytes, self.runtime.device) if arena_bytes else None
-        self.allocate_coded_staging([*streamed, *idle])
+        self.allocate_coded_loads([*streamed, *idle])
         for unit in self.units:
             if unit in resident and unit not in kept:
                 self._upload_resident(unit)
@@ -222,16 +229,19 @@ class DeviceStore:
         self.counters.layouts += 1
         self._warm_start(streamed)
 
-    def allocate_coded_staging(self, placed: Sequence[Unit]) -> None:
-        """One device buffer for the coded loads of the units ``placed`` in the arena, as large as the
-        largest (see [Note: coded packs] in coded_packs.py); every coded pack loads through it."""
+    def allocate_coded_loads(self, placed: Sequence[Unit]) -> None:
+        """The staging slots and decode stream for the coded loads of the units ``placed`` in the arena,
+        each slot as large as the largest (see [Note: coded packs] in coded_packs.py)."""
         coded = [u.pack for u in placed if u.pack is not None and u.pack.coded]
         if not coded:
             return
-        largest = max(pack.coded_nbytes for pack in coded)  # type: ignore[attr-defined]
-        self.coded_staging = allocate_device_bytes(align_up(largest, UNIT_ALIGNMENT), self.runtime.device)
+        from .coded_packs import CodedLoads
+
+        largest = align_up(max(pack.coded_nbytes for pack in coded), UNIT_ALIGNMENT)  # type: ignore[attr-defined]
+        device = self.runtime.device
+        self.coded_loads = CodedLoads(self.runtime, largest, lambda n: allocate_device_bytes(n, device))
         for pack in coded:
-            pack.staging = self.coded_staging  # type: ignore[attr-defined]
+            pack.loads = self.coded_loads  # type: ignore[attr-defined]
 
     def _free_device_bytes(self, staying: set[Unit]) -> set[Unit]:
         """Drop the arena and every unit's storage except that of units resident now and in ``staying``;
@@ -254,14 +264,14 @@ class DeviceStore:
         self.arena = None
         self.reserved = None  # the new layout takes its place
         self.owner = []
-        self._drop_coded_staging()
+        self._drop_coded_loads()
         return kept
 
-    def _drop_coded_staging(self) -> None:
-        self.coded_staging = None
+    def _drop_coded_loads(self) -> None:
+        self.coded_loads = None
         for unit in self.units:
             if unit.pack is not None and unit.pack.coded:
-                unit.pack.staging = None  # type: ignore[attr-defined]
+                unit.pack.loads = None  # type: ignore[attr-defined]
 
     def _upload_resident(self, unit: Unit) -> None:
         """Give a unit entering residency storage of its own, holding its weights for good."""
@@ -365,6 +375,8 @@ class DeviceStore:
                 occupant = self.owner[cell]
                 if occupant is not None and occupant is not unit:
                     stream.wait_event(occupant.compute_done)  # type: ignore[attr-defined]
+            if self.coded_loads is not None:  # a decode may still write these cells (coded_packs.py)
+                self.coded_loads.fence(stream)
             copy_into_range(unit, self.owner, stream)
         finally:
             self.runtime.set_stream(compute_stream)
@@ -378,7 +390,7 @@ class DeviceStore:
         """Device bytes held for units: the arena, resident units' storage, the reserve and the staging
         buffer of coded loads."""
         reserved = 0 if self.reserved is None else self.reserved.numel()
-        staging = 0 if self.coded_staging is None else self.coded_staging.numel()
+        staging = 0 if self.coded_loads is None else self.coded_loads.nbytes
         return self.arena_bytes() + reserved + staging + sum(u.nbytes for u in self.units if u.resident)
 
     def host_bytes_held(self) -> int:
@@ -427,7 +439,7 @@ class DeviceStore:
                 unit.pack = None
         self.arena = None
         self.reserved = None
-        self.coded_staging = None
+        self.coded_loads = None
         self.owner = []
 
     def __repr__(self) -> str:

@@ -13,24 +13,10 @@ program. Modules: ``format`` (the layout and :class:`EncodedTensor`), ``encoder`
 ``reference`` (the vectorised CPU decoder, the definition every decoder matches), ``triton_decoder`` (the
 GPU kernel, imported lazily).
 
-How it plugs into the engine (not wired in yet):
-
-- ``OffloadConfig(compression="lossless")`` (off by default). At pack time each unit's pack (one buffer,
-  its parameters at 512-byte-aligned offsets, laid out exactly like the unit's arena range) is encoded as
-  *one* tensor: the pack's bytes viewed as bfloat16 (or float16 for an fp16 model). Every bit pattern
-  round-trips, so parameters of other dtypes (fp32 norms) and the alignment padding pass through intact,
-  just less compressed, and a single decode launch rebuilds the whole arena range. The pinned pack then
-  holds the compressed ``data`` stream instead of the raw bytes. The per-chunk index (9 bytes per 4096
-  values, read only by the kernel) is copied to the device once at plan time and stays resident.
-- The planner and simulator already model it (see [Note: coded loads] in measurements.py): a unit with a
-  ``coded_nbytes`` measurement and a measured ``decode_bps`` is loaded coded where that beats its raw
-  copy (``Plan.coded``), its compressed copy into one device staging buffer and its decode into the
-  unit's arena range both on the copy stream (ordered like any copy: the unit's pre-hook waits for the
-  event recorded after the decode), and the staging buffer counts in the plan's peak. Still to do: the
-  engine side (packs held compressed, the staging buffer, measuring ``decode_bps`` with the link probe,
-  the pack readers that need raw bytes: resident upload, pack rebuild, state_dict views, edits).
-- ``device="cpu"`` decodes with :func:`decode_reference`, so the CPU tests exercise the same streams the
-  GPU reads; outputs stay bit-for-bit those of the uncompressed model.
+How it plugs into the engine: ``OffloadConfig(compression="lossless")``; packs held compressed and their
+loads are coded_packs.py's ([Note: coded packs]), the planner's model of them is [Note: coded loads] in
+measurements.py. ``device="cpu"`` decodes with :func:`decode_reference`, so the CPU tests exercise the
+same path the GPU runs; outputs stay bit-for-bit those of the uncompressed model.
 """
 
 from __future__ import annotations
