@@ -179,3 +179,26 @@ def test_compressed_streaming_under_torch_compile_is_bit_for_bit(fast_decoder: N
         outs = [compiled(inputs).logits for _ in range(2)]
         want = torch.compile(reference)(inputs).logits
     assert all(torch.equal(out, want) for out in outs)
+
+
+def test_a_model_loaded_from_a_checkpoint_is_compressed_once_read(fast_decoder: None, tmp_path) -> None:
+    from transformers import LlamaForCausalLM
+
+    reference = bf16_llama()
+    reference.save_pretrained(tmp_path / "llama")
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(reference.config).to(torch.bfloat16).eval()
+    budget = streaming_config(meta, ["model.layers.*"]).gpu_memory_budget
+    layer = sum(p.numel() * p.element_size() for p in meta.model.layers[0].parameters())
+    config = flextensor.OffloadConfig(
+        include_patterns=["model.layers.*"],
+        device="cpu",
+        gpu_memory_budget=budget + int(1.5 * layer) + 2 * 4096,
+        compression="lossless",
+    )
+    model = flextensor.offload(meta, config, weights=tmp_path / "llama")
+    assert all(isinstance(u.pack, CodedPack) for u in engine_of(model).units.values())
+    inputs = llama_inputs()
+    with torch.no_grad():
+        want = reference(inputs).logits
+        assert all(torch.equal(model(inputs).logits, want) for _ in range(4))

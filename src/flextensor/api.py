@@ -105,11 +105,6 @@ def offload(
                 "share_host_memory=True with weights= is not supported yet: load the weights first "
                 "(or leave share_host_memory off)"
             )
-        if config.compression != "off":
-            raise ConfigError(
-                f"compression={config.compression!r} with weights= is not supported yet: load the weights "
-                "first (or leave compression off)"
-            )
         checkpoint = plan_checkpoint_load(model, weights)
     with Packing(model, selection, target, checkpoint) as packing:
         units = packing.pack_units(config)

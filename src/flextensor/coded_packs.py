@@ -22,7 +22,8 @@ the same happens with the reference decoder and the host's stand-in streams, so 
 Everything else that reads a pack gets decoded bytes, a copy of its own each time (``buffer``, ``view``,
 ``standalone_view``): uploads to resident storage, ``state_dict()``, ``release()``. A pack built again
 from device storage (a resident unit that streams again) is encoded again. Not supported with coded
-packs (refused where set): shared host memory, loading from a checkpoint, ``flextensor.editing``.
+packs (refused where set): shared host memory, an explicit host budget, ``flextensor.editing``, CUDA
+graph captures. From a checkpoint (``offload(weights=)``), each pack is encoded once its read is done.
 """
 
 from __future__ import annotations
