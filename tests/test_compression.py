@@ -202,3 +202,27 @@ def test_a_model_loaded_from_a_checkpoint_is_compressed_once_read(fast_decoder: 
     with torch.no_grad():
         want = reference(inputs).logits
         assert all(torch.equal(model(inputs).logits, want) for _ in range(4))
+
+
+def test_a_captured_forward_with_coded_loads_joins_the_decode_stream(
+    fast_decoder: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bookkeeping of a capture (as in test_cuda_graphs, the engine made to believe a capture runs):
+    coded loads inside it wait only on events recorded inside it, the capture joins the decode stream, and
+    eager forwards after it get fresh events and stay bit for bit. The GPU test captures for real."""
+    from test_cuda_graphs import capture_one
+
+    reference = bf16_llama()
+    model = compressed(bf16_llama())
+    inputs = llama_inputs()
+    with torch.no_grad():
+        for _ in range(4):
+            model(inputs)
+    loads = engine_of(model).store.coded_loads
+    assert loads is not None
+    before = loads.last_decode
+    step = capture_one(model, monkeypatch)
+    assert step.joined and loads._in_capture is None and loads.last_decode is not before
+    assert len(loads._retired) == 2 * loads.SLOTS + 1
+    with torch.no_grad():
+        assert torch.equal(model(inputs).logits, reference(inputs).logits)

@@ -22,8 +22,9 @@ the same happens with the reference decoder and the host's stand-in streams, so 
 Everything else that reads a pack gets decoded bytes, a copy of its own each time (``buffer``, ``view``,
 ``standalone_view``): uploads to resident storage, ``state_dict()``, ``release()``. A pack built again
 from device storage (a resident unit that streams again) is encoded again. Not supported with coded
-packs (refused where set): shared host memory, an explicit host budget, ``flextensor.editing``, CUDA
-graph captures. From a checkpoint (``offload(weights=)``), each pack is encoded once its read is done.
+packs (refused where set): shared host memory, an explicit host budget, ``flextensor.editing``, vLLM's
+CUDA graphs. From a checkpoint (``offload(weights=)``), each pack is encoded once its read is done. A
+CUDA-graph capture records the loads like any copy (:meth:`CodedLoads.begin_capture`).
 """
 
 from __future__ import annotations
@@ -163,10 +164,15 @@ class CodedLoads:
         self.decode_stream = (
             torch.cuda.Stream(device=runtime.device) if runtime.is_cuda else runtime.copy_stream
         )
-        self.copied = [runtime.event() for _ in range(self.SLOTS)]
-        self.freed = [runtime.event() for _ in range(self.SLOTS)]  # the decode that last read the slot
-        self.last_decode = runtime.event()
+        self._fresh_events()
         self.next = 0
+        self._in_capture: set[int] | None = None  # ids of the events recorded in the capture under way
+        self._retired: list[Any] = []  # events recorded inside captures, kept alive with the graphs
+
+    def _fresh_events(self) -> None:
+        self.copied = [self.runtime.event() for _ in range(self.SLOTS)]
+        self.freed = [self.runtime.event() for _ in range(self.SLOTS)]  # the decode that last read the slot
+        self.last_decode = self.runtime.event()
 
     @property
     def nbytes(self) -> int:
@@ -179,23 +185,45 @@ class CodedLoads:
         assert isinstance(pack, CodedPack) and unit.storage is not None
         index, self.next = self.next, (self.next + 1) % self.SLOTS
         slot = self.slots[index][: pack.coded_nbytes]
-        copy_stream.wait_event(self.freed[index])
+        self._wait(copy_stream, self.freed[index])
         slot.copy_(pack.copy_source, non_blocking=True)
-        self.copied[index].record(copy_stream)
+        self._record(self.copied[index], copy_stream)
         decode_stream = self.decode_stream
         decode_stream.wait_event(self.copied[index])
         self.runtime.set_stream(decode_stream)
         try:
             decode(pack.encoded(slot), out=unit.storage.view(pack.dtype))
             unit.copy_done.record(decode_stream)
-            self.freed[index].record(decode_stream)
-            self.last_decode.record(decode_stream)
+            self._record(self.freed[index], decode_stream)
+            self._record(self.last_decode, decode_stream)
         finally:
             self.runtime.set_stream(copy_stream)
 
-    def fence(self, copy_stream: Any) -> None:
-        """Order what ``copy_stream`` issues next after every decode issued so far."""
-        copy_stream.wait_event(self.last_decode)
+    def fence(self, stream: Any) -> None:
+        """Order what ``stream`` issues next after every decode issued so far (in the capture under way,
+        if one is: a captured stream may not wait on an event recorded outside it)."""
+        self._wait(stream, self.last_decode)
+
+    # -- CUDA graphs (see [Note: captured forwards] in cuda_graphs.py) ------------------------------------
+
+    def begin_capture(self) -> None:
+        """A forward is being captured: from now on, wait only on events recorded inside the capture."""
+        self._in_capture = set()
+
+    def end_capture(self) -> None:
+        """The capture ended: its events were never recorded on the device; eager loads get fresh ones."""
+        self._in_capture = None
+        self._retired += [*self.copied, *self.freed, self.last_decode]
+        self._fresh_events()
+
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+        if self._in_capture is not None:
+            self._in_capture.add(id(event))
+
+    def _wait(self, stream: Any, event: Any) -> None:
+        if self._in_capture is None or id(event) in self._in_capture:
+            stream.wait_event(event)
 
 
 def coded_load_pays(raw_nbytes: int, coded_nbytes: int, link: LinkModel, decode_bps: float) -> bool:

@@ -99,13 +99,6 @@ class GraphCaptures:
                 "budget): raise host_memory_budget until every streamed unit is pinned, or compile "
                 "without mode='reduce-overhead'"
             )
-        coded = [u.name for u in streamed if u.pack is not None and u.pack.coded]
-        if coded:
-            raise UnsupportedOperationError(
-                f"a CUDA graph cannot capture the compressed loads of {', '.join(coded[:3])}"
-                f"{', ...' if len(coded) > 3 else ''} yet (compression='lossless'): compile without "
-                "mode='reduce-overhead', or offload with compression off"
-            )
         held = {u for u in streamed if holds_weights(u, owner)}
         if self.guaranteed is None:
             end = steady_end_state(streamed, owner)
@@ -125,6 +118,8 @@ class GraphCaptures:
         for unit in store.units:
             self._retired += (unit.copy_done, unit.compute_done)
             unit.copy_done, unit.compute_done = self.runtime.event(), self.runtime.event()
+        if store.coded_loads is not None:
+            store.coded_loads.end_capture()
 
     def restore(self, store: DeviceStore) -> None:
         """End of an eager forward after a capture: load any guaranteed unit it left out, on the copy
@@ -185,10 +180,14 @@ class GraphCaptures:
         if self.captured:
             self.runtime.copy_stream.wait_stream(self.runtime.current_stream())
 
-    def fence_end(self) -> None:
-        """Eager forward after a capture: later work on the compute stream comes after its copies."""
+    def fence_end(self, store: DeviceStore) -> None:
+        """Eager forward after a capture: later work on the compute stream comes after its copies (and
+        the decodes of its coded loads)."""
         if self.captured:
-            self.runtime.current_stream().wait_stream(self.runtime.copy_stream)
+            compute = self.runtime.current_stream()
+            compute.wait_stream(self.runtime.copy_stream)
+            if store.coded_loads is not None:
+                store.coded_loads.fence(compute)
 
     def __repr__(self) -> str:
         state: Any = "captured" if self.captured else "never captured"

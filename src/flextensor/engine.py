@@ -249,7 +249,7 @@ class OffloadEngine(PlanStates):
             return
         if self.graphs.captured:
             self.graphs.restore(self.store)
-            self.graphs.fence_end()
+            self.graphs.fence_end(self.store)
         if isinstance(driver, DiscoveryStep):
             result = driver.end(error)
             if result is not None:  # a partial order would make a wrong plan: learn again next forward

@@ -282,6 +282,8 @@ class CapturedStep(SteadyStep):
             if occupant is not None and occupant not in assumed:
                 owner[cell] = None  # in the arena now, but not at every replay's start: load it
         self.copy.wait_stream(self.compute)  # fork: the copy stream's work from here is captured
+        if self.store.coded_loads is not None:
+            self.store.coded_loads.begin_capture()
 
     def pre(self, unit: Unit) -> None:
         if not holds_weights(unit, self.owner):
@@ -307,6 +309,8 @@ class CapturedStep(SteadyStep):
             if not holds_weights(unit, self.owner):
                 self._load(unit)  # the next replay starts from what this one leaves
         self.compute.wait_stream(self.copy)
+        if self.store.coded_loads is not None:  # the decode stream joins too (coded_packs.py)
+            self.store.coded_loads.fence(self.compute)
 
     def _load(self, unit: Unit) -> None:
         copy, owner = self.copy, self.owner

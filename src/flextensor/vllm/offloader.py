@@ -165,10 +165,14 @@ class FlexTensorOffloader(BaseOffloader):
         copy = self._copy_stream()
         if copy is None:
             return
+        compute = torch.cuda.current_stream(self.device)
         if not torch.cuda.is_current_stream_capturing():
             assert self.model is not None
-            engine_of(self.model).prepare_for_captures()
-        torch.cuda.current_stream(self.device).wait_stream(copy)
+            engine = engine_of(self.model)
+            engine.prepare_for_captures()
+            if engine.store.coded_loads is not None:  # compressed loads decode on a stream of their own
+                engine.store.coded_loads.fence(compute)
+        compute.wait_stream(copy)
 
     def join_after_forward(self) -> None:
         copy = self._copy_stream()
