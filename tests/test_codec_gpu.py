@@ -112,10 +112,9 @@ def test_a_decode_ordered_after_a_side_stream_copy_fills_its_arena_range_only() 
     assert (result[: weight.numel()] == 3).all() and (result[2 * weight.numel() :] == 3).all()
 
 
-def test_offload_with_compression_streams_bit_for_bit_on_cuda() -> None:
-    """compression="lossless" end to end on the GPU: the Triton decoder outpaces the link, so every
-    layer's pack is held compressed, and the streamed model's outputs are the device model's, bit for
-    bit."""
+def compressed_medium_llama() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """(an 8-layer bf16 Llama offloaded with compression under 200 MiB, its inputs, the device model's
+    logits for them)."""
     import flextensor
     from real_models import tiny_llama
 
@@ -130,7 +129,16 @@ def test_offload_with_compression_streams_bit_for_bit_on_cuda() -> None:
     config = flextensor.OffloadConfig(
         include_patterns=["model.layers.*"], gpu_memory_budget="200MiB", compression="lossless"
     )
-    model = flextensor.offload(medium(), config)
+    return flextensor.offload(medium(), config), inputs, want
+
+
+def test_offload_with_compression_streams_bit_for_bit_on_cuda() -> None:
+    """compression="lossless" end to end on the GPU: the Triton decoder outpaces the link, so every
+    layer's pack is held compressed, and the streamed model's outputs are the device model's, bit for
+    bit."""
+    import flextensor
+
+    model, inputs, want = compressed_medium_llama()
     with torch.no_grad():
         for _ in range(5):
             assert torch.equal(model(inputs).logits, want)
@@ -146,20 +154,8 @@ def test_a_cuda_graph_of_a_compressed_model_replays_bit_for_bit() -> None:
     """A torch.cuda.graph capture of a steady forward with coded loads: the graph holds each copy into a
     staging slot and the decode on the decode stream; replays and eager forwards mixed stay bitwise."""
     import flextensor
-    from real_models import tiny_llama
 
-    def medium() -> torch.nn.Module:
-        return tiny_llama(layers=8, hidden=1024, heads=16, kv_heads=4, vocab=4096).to(torch.bfloat16)
-
-    static = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
-    with torch.no_grad():
-        reference = medium().cuda()
-        want = reference(static).logits
-    del reference
-    config = flextensor.OffloadConfig(
-        include_patterns=["model.layers.*"], gpu_memory_budget="200MiB", compression="lossless"
-    )
-    model = flextensor.offload(medium(), config)
+    model, static, want = compressed_medium_llama()
     with torch.no_grad():
         while flextensor.phase(model) != "inference":
             model(static)

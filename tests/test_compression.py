@@ -25,6 +25,12 @@ def bf16_llama(layers: int = 4) -> torch.nn.Module:
     return tiny_llama(layers=layers, tie=False, hidden=64).to(torch.bfloat16)
 
 
+def steady(model: torch.nn.Module, inputs: torch.Tensor, forwards: int = 4) -> None:
+    with torch.no_grad():
+        for _ in range(forwards):
+            model(inputs)
+
+
 def compressed(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` offloaded with every decoder layer streamed and compressed: the tightest budget (two
     layers in flight) plus the two staging slots of the coded loads (each under 0.75 of a layer), no room
@@ -73,8 +79,11 @@ def test_the_weights_read_back_are_the_originals(fast_decoder: None) -> None:
         assert torch.equal(got, want), name
 
 
-def test_a_decoder_slower_than_the_link_compresses_nothing(caplog: pytest.LogCaptureFixture) -> None:
-    """The CPU's reference decoder against a CPU "link" (a memcpy): no load gets faster."""
+def test_a_decoder_slower_than_the_link_compresses_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As on a CPU device with large units: the reference decoder (about 0.2 GB/s) against a memcpy."""
+    monkeypatch.setattr("flextensor.coded_packs.probe_decode", lambda runtime, pack, destination: 1e6)
     reference = bf16_llama(layers=2)
     with caplog.at_level("INFO", logger="flextensor"):
         model = compressed(bf16_llama(layers=2))
@@ -142,9 +151,7 @@ def test_a_profile_saved_with_compression_starts_the_next_run_compressed(
     reference = bf16_llama()
     model = compressed(bf16_llama())
     inputs = llama_inputs()
-    with torch.no_grad():
-        for _ in range(4):
-            model(inputs)
+    steady(model, inputs)
     path = tmp_path / "coded.ftprofile.json"
     flextensor.save_profile(model, path)
     saved = engine_of(model).current.measurements  # type: ignore[union-attr]
@@ -215,9 +222,7 @@ def test_a_captured_forward_with_coded_loads_joins_the_decode_stream(
     reference = bf16_llama()
     model = compressed(bf16_llama())
     inputs = llama_inputs()
-    with torch.no_grad():
-        for _ in range(4):
-            model(inputs)
+    steady(model, inputs)
     loads = engine_of(model).store.coded_loads
     assert loads is not None
     before = loads.last_decode

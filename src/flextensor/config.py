@@ -232,8 +232,8 @@ class OffloadConfig(BaseModel):
             "'lossless' holds the host copies of bfloat16 / float16 units compressed (about 0.7 of their "
             "size) and decodes them on the device as they stream, bit for bit: fewer bytes cross the link, "
             "so steps bound by it run faster. offload() probes the link and the decoder and compresses "
-            "only the units whose loads it speeds up (on a CPU device, none). 'off' (the default) copies "
-            "weights as they are. Not with share_host_memory or host_memory_budget. See "
+            "only the units whose loads it speeds up (on a CPU device, normally none). 'off' (the default) "
+            "copies weights as they are. Not with share_host_memory or host_memory_budget. See "
             "docs/compression.md."
         ),
     )
