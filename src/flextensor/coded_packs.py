@@ -161,9 +161,7 @@ class CodedLoads:
     ) -> None:
         self.runtime = runtime
         self.slots = [allocate(slot_bytes) for _ in range(self.SLOTS)]
-        self.decode_stream = (
-            torch.cuda.Stream(device=runtime.device) if runtime.is_cuda else runtime.copy_stream
-        )
+        self.decode_stream = runtime.decode_stream
         self._fresh_events()
         self.next = 0
         self._in_capture: set[int] | None = None  # ids of the events recorded in the capture under way
@@ -292,7 +290,8 @@ def compress_packs(store: DeviceStore, link: LinkModel, arena: torch.Tensor) -> 
             coded += 1
         else:
             pack.free()
-    store.recode = lambda unit: recode(store, unit, encode_on)
+    chosen = {u.name for u in candidates if u.pack is not None and u.pack.coded}
+    store.recode = lambda unit: recode(unit, encode_on) if unit.name in chosen else None
     store.allocate_coded_loads([u for u in store.units if u.placement is Placement.STREAMED])
     logger.info(
         "compression='lossless': %d of %d unit(s) held compressed (%.3f of their size), decoded at %.1f GB/s",
@@ -315,10 +314,11 @@ def swap_in(store: DeviceStore, unit: Unit, pack: CodedPack) -> None:
     store.host.admit(unit, store.units)
 
 
-def recode(store: DeviceStore, unit: Unit, encode_on: torch.device | None) -> None:
-    """A pack built again from device storage (see DeviceStore._refresh_pack) is held compressed again."""
+def recode(unit: Unit, encode_on: torch.device | None) -> None:
+    """A pack built again from device storage (see DeviceStore._refresh_pack) of a unit that was held
+    compressed is compressed again (encoded on the device when there is one: a layout's brief peak)."""
     raw = unit.pack
-    if raw is None or raw.coded or coded_dtype(unit.entries) is None:
+    if raw is None or raw.coded:
         return
     unit.pack = CodedPack.encode(unit.name, unit.entries, raw.buffer, encode_on)
     raw.free()

@@ -132,6 +132,7 @@ class DeviceRuntime:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._copy_stream: Any = None
+        self._decode_stream: Any = None
         self._host_stream = HostStream()
         self.set_stream = torch.cuda.set_stream if self.is_cuda else _no_stream_switch
         raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) if self.is_cuda else None
@@ -153,6 +154,16 @@ class DeviceRuntime:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         return self._copy_stream
+
+    @property
+    def decode_stream(self) -> Any:
+        """The side stream that decodes compressed loads (coded_packs.py; created on first use, kept for
+        the model's life: a stream per layout would cycle through torch's stream pool)."""
+        if not self.is_cuda:
+            return self._host_stream
+        if self._decode_stream is None:
+            self._decode_stream = torch.cuda.Stream(device=self.device)
+        return self._decode_stream
 
     def current_stream(self) -> Any:
         if not self.is_cuda:

@@ -116,6 +116,7 @@ class Report:
     disk_bytes: int = 0
     read_ahead_bytes: int = 0
     decode_gbps: float | None = None
+    decode_staging_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain JSON-ready data; each unit also gets ``placement`` and ``slot`` strings."""
@@ -206,11 +207,14 @@ class Report:
             if self.achieved_gbps is not None and self.link_gbps > 0:
                 streamed += f" ({self.achieved_gbps / self.link_gbps:.0%})"
         grid.add_row("streamed", streamed)
-        resident = self.device_bytes_held - self.arena_bytes
+        resident = self.device_bytes_held - self.arena_bytes - self.decode_staging_bytes
+        staging = (
+            f" + staging slots {format_bytes(self.decode_staging_bytes)}" if self.decode_staging_bytes else ""
+        )
         grid.add_row(
             "held",
             f"{format_bytes(self.device_bytes_held)} for units: arena {format_bytes(self.arena_bytes)} + "
-            f"resident units {format_bytes(resident)}",
+            f"resident units {format_bytes(resident)}{staging}",
         )
         host = f"{format_bytes(self.host_bytes_held)} in host RAM for units' weights"
         host += f", {format_bytes(self.host_pageable_bytes)} of them pageable"
@@ -414,4 +418,5 @@ def report(model: nn.Module) -> Report | PipelineReport:
         disk_bytes=engine.store.disk_bytes(),
         read_ahead_bytes=engine.store.host.read_ahead_bytes,
         decode_gbps=None if engine.policy.decode_bps is None else engine.policy.decode_bps / 1e9,
+        decode_staging_bytes=0 if engine.store.coded_loads is None else engine.store.coded_loads.nbytes,
     )

@@ -53,6 +53,7 @@ __all__ = [
     "copy_into_range",
     "holds_weights",
     "release_copy",
+    "wait_for_decodes",
 ]
 
 
@@ -85,6 +86,7 @@ def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -
     rather than compute with bytes that are not its own.
     """
     cells = unit.cells
+    wait_for_decodes(unit, owner, copy_stream)
     for cell in cells:
         owner[cell] = None
     if unit.pack.coded:  # type: ignore[union-attr]  # compressed: copied, then decoded (coded_packs.py)
@@ -101,6 +103,24 @@ def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -
     unit.copy_done.record(copy_stream)
     for cell in cells:
         owner[cell] = unit
+
+
+def wait_for_decodes(unit: Unit, owner: list[Unit | None], copy_stream: object) -> None:
+    """Before ``unit``'s load writes its range: when a unit there is held compressed, its decode (on the
+    decode stream, see [Note: coded packs] in coded_packs.py) may still be writing it, unordered with the
+    copy stream; wait for the decodes. One look per cell, no wait when nothing there is compressed."""
+    for cell in unit.cells:
+        occupant = owner[cell]
+        if (
+            occupant is not None
+            and occupant is not unit
+            and occupant.pack is not None
+            and occupant.pack.coded
+        ):
+            loads = occupant.pack.loads  # type: ignore[attr-defined]
+            if loads is not None:
+                loads.fence(copy_stream)
+            return
 
 
 @dataclass
@@ -204,7 +224,7 @@ class DeviceStore:
         arena_bytes = max(arena_bytes, idle_need, minimal_arena_bytes([u.nbytes for u in streamed]))
         layout = ring_layout([u.name for u in streamed], [u.nbytes for u in streamed], arena_bytes)
         self.arena = allocate_device_bytes(arena_bytes, self.runtime.device) if arena_bytes else None
-        self.allocate_coded_loads([*streamed, *idle])
+        self.allocate_coded_loads([*streamed, *idle], streamed)
         for unit in self.units:
             if unit in resident and unit not in kept:
                 self._upload_resident(unit)
@@ -229,19 +249,32 @@ class DeviceStore:
         self.counters.layouts += 1
         self._warm_start(streamed)
 
-    def allocate_coded_loads(self, placed: Sequence[Unit]) -> None:
+    def allocate_coded_loads(self, placed: Sequence[Unit], streamed: Sequence[Unit] = ()) -> None:
         """The staging slots and decode stream for the coded loads of the units ``placed`` in the arena,
-        each slot as large as the largest (see [Note: coded packs] in coded_packs.py)."""
-        coded = [u.pack for u in placed if u.pack is not None and u.pack.coded]
+        each slot as large as the largest (see [Note: coded packs] in coded_packs.py). The plan counted
+        the slots for its ``streamed`` units; a larger unit that never ran makes them larger (warned)."""
+        coded = [u for u in placed if u.pack is not None and u.pack.coded]
         if not coded:
             return
         from .coded_packs import CodedLoads
 
-        largest = align_up(max(pack.coded_nbytes for pack in coded), UNIT_ALIGNMENT)  # type: ignore[attr-defined]
+        def slot_bytes(units: Sequence[Unit]) -> int:
+            sizes = [u.pack.coded_nbytes for u in units if u.pack is not None and u.pack.coded]  # type: ignore[attr-defined]
+            return align_up(max(sizes, default=0), UNIT_ALIGNMENT)
+
+        largest, planned = slot_bytes(coded), slot_bytes(streamed)
+        if streamed and largest > planned:
+            logger.warning(
+                "compressed units that never ran need staging slots of %s, more than the %s planned: the "
+                "slots grow beyond what the plan (and any budget) accounted for; exclude modules the model "
+                "does not run",
+                format_bytes(largest),
+                format_bytes(planned),
+            )
         device = self.runtime.device
         self.coded_loads = CodedLoads(self.runtime, largest, lambda n: allocate_device_bytes(n, device))
-        for pack in coded:
-            pack.loads = self.coded_loads  # type: ignore[attr-defined]
+        for unit in coded:
+            unit.pack.loads = self.coded_loads  # type: ignore[union-attr]
 
     def _free_device_bytes(self, staying: set[Unit]) -> set[Unit]:
         """Drop the arena and every unit's storage except that of units resident now and in ``staying``;

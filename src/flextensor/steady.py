@@ -22,7 +22,7 @@ import torch
 
 from .cudart_calls import CudartCalls
 from .device import HostCalls
-from .slots import DeviceStore, copy_into_range, holds_weights
+from .slots import DeviceStore, copy_into_range, holds_weights, wait_for_decodes
 from .timeline import StepRecorder
 from .units import Placement, Unit
 
@@ -130,6 +130,8 @@ class DirectStep(SteadyStep):
                     self.set_stream(current)
                 continue
             cells = upcoming.cells
+            if self.store.coded_loads is not None:  # a compressed unit there may still be decoding
+                wait_for_decodes(upcoming, owner, self.copy)
             for cell in cells:  # emptied first, claimed last: as copy_into_range, for an interrupt
                 owner[cell] = None
             storage = upcoming.storage
