@@ -280,3 +280,24 @@ def test_a_raw_copy_into_a_compressed_units_range_waits_for_its_decode(
     assert all(torch.equal(out, want) for out in outs)
     assert len(engine_of(model).current.plan.streamed) == 8  # type: ignore[union-attr]
     assert fences  # in steady state too, the float32 layer's copies waited for the decodes before them
+
+
+def test_state_dict_of_strided_weights_held_compressed_keeps_their_values(fast_decoder: None) -> None:
+    """A weight laid out in another order (a transposed checkpoint) is packed in its own memory order;
+    read back from a compressed pack, it has its values and its strides."""
+
+    def strided() -> torch.nn.Module:
+        model = MixedDtypes().to(torch.bfloat16)
+        for layer in model.layers:
+            layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t())
+        return model
+
+    reference = strided()
+    model = strided()
+    budget = 2 * 36 * 1024 + 2 * 28 * 1024
+    config = streaming_config(model, ["layers.*"], compression="lossless")
+    model = flextensor.offload(model, config.model_copy(update={"gpu_memory_budget": budget}))
+    assert all(isinstance(u.pack, CodedPack) for u in engine_of(model).units.values())
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value) and state[name].stride() == value.stride(), name
