@@ -187,3 +187,30 @@ def test_one_layout_serves_every_input_after_the_first_plan() -> None:
         assert flextensor.phase(model) == "inference"
     assert flextensor.status(model).layouts == layouts and len(engine.plans) == 1
     flextensor.release(model)
+
+
+def test_under_vllm_a_budget_without_room_for_the_staging_of_compressed_loads_is_refused_at_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The smallest plan of compressed units needs their two staging slots too: refused while loading,
+    not at the first planned step."""
+    pytest.importorskip("vllm")
+    from flextensor.vllm.budget import count_weights_only, weights_outside_units
+
+    monkeypatch.setattr("flextensor.coded_packs.probe_decode", lambda runtime, pack, destination: 1e15)
+    model = make_spec_model(n_layers=6).to(torch.bfloat16)
+    config = flextensor.OffloadConfig(include_patterns=["layers.*"], compression="lossless", **CPU)
+    model = flextensor.offload(model, config)
+    engine = engine_of(model)
+    units = engine.store.units
+    assert all(u.pack is not None and u.pack.coded for u in units)
+    two = 2 * max(align_up_unit(u.nbytes) for u in units)
+    # Room for the weights outside the layers and two layers in flight, none for the staging slots.
+    engine.policy.budget_bytes = weights_outside_units(model) + two + 1024
+    with pytest.raises(BudgetError, match="staging of compressed ones"):
+        count_weights_only(model)
+    flextensor.release(model)
+
+
+def align_up_unit(nbytes: int) -> int:
+    return -(-nbytes // UNIT_ALIGNMENT) * UNIT_ALIGNMENT

@@ -16,6 +16,7 @@ from torch import nn
 from flextensor.api import engine_of
 from flextensor.errors import BudgetError
 from flextensor.layout import UNIT_ALIGNMENT, provisional_arena_bytes
+from flextensor.simulator import coded_staging_bytes
 from flextensor.sizes import align_up, format_bytes
 
 __all__ = ["count_weights_only", "hold_budget_in_reserve", "weights_outside_units"]
@@ -52,15 +53,20 @@ def count_weights_only(model: nn.Module) -> None:
 
     policy.count_weights_only(fixed)
     outside = fixed()
-    in_flight = provisional_arena_bytes([unit.nbytes for unit in engine.store.units])
+    units = engine.store.units
+    in_flight = provisional_arena_bytes([unit.nbytes for unit in units])
+    # Compressed packs load through staging slots the plans count too (see [Note: coded loads]).
+    in_flight += coded_staging_bytes(
+        [u.pack.coded_nbytes for u in units if u.pack is not None and u.pack.coded]
+    )  # type: ignore[attr-defined]
     budget = policy.budget_bytes
     if budget is not None and budget < outside + in_flight:
         raise BudgetError(
             f"gpu_memory_budget {format_bytes(budget)} is below the {format_bytes(outside + in_flight)} "
             "the smallest plan needs under vLLM: the weights outside the offload units "
-            f"({format_bytes(outside)}) and room for the two largest units in flight "
-            f"({format_bytes(in_flight)}); raise the budget (under vLLM it counts the weights alone; vLLM "
-            "sizes the KV cache and activations from what is left)"
+            f"({format_bytes(outside)}) and room for the two largest units in flight, with the staging of "
+            f"compressed ones ({format_bytes(in_flight)}); raise the budget (under vLLM it counts the "
+            "weights alone; vLLM sizes the KV cache and activations from what is left)"
         )
 
 
