@@ -31,15 +31,19 @@ def steady(model: torch.nn.Module, inputs: torch.Tensor, forwards: int = 4) -> N
             model(inputs)
 
 
-def compressed(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` offloaded with every decoder layer streamed and compressed: the tightest budget (two
-    layers in flight) plus the two staging slots of the coded loads (each under 0.75 of a layer), no room
-    for a resident layer."""
+def compressed_config(model: torch.nn.Module, **fields: object) -> flextensor.OffloadConfig:
+    """Every decoder layer of a Llama streamed and compressed: the tightest budget (two layers in flight)
+    plus the two staging slots of the coded loads (each under 0.75 of a layer), no room for a resident
+    layer."""
     tightest = streaming_config(model, ["model.layers.*"]).gpu_memory_budget
     layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-    config = streaming_config(model, ["model.layers.*"], compression="lossless")
-    budget = tightest + int(1.5 * layer) + 2 * 4096
-    return flextensor.offload(model, config.model_copy(update={"gpu_memory_budget": budget}))
+    config = streaming_config(model, ["model.layers.*"], compression="lossless", **fields)
+    return config.model_copy(update={"gpu_memory_budget": tightest + int(1.5 * layer) + 2 * 4096})
+
+
+def compressed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` offloaded under :func:`compressed_config`."""
+    return flextensor.offload(model, compressed_config(model))
 
 
 def test_compressed_streaming_is_bit_for_bit(fast_decoder: None) -> None:
@@ -159,16 +163,7 @@ def test_a_profile_saved_with_compression_starts_the_next_run_compressed(
     assert saved.decode_bps == 1e15 and all(u.coded_nbytes for u in saved.units)
     flextensor.release(model)
     again = bf16_llama()
-    budget = streaming_config(again, ["model.layers.*"]).gpu_memory_budget
-    layer = sum(p.numel() * p.element_size() for p in again.model.layers[0].parameters())
-    config = flextensor.OffloadConfig(
-        include_patterns=["model.layers.*"],
-        device="cpu",
-        gpu_memory_budget=budget + int(1.5 * layer) + 2 * 4096,
-        compression="lossless",
-        profile=path,
-    )
-    again = flextensor.offload(again, config)
+    again = flextensor.offload(again, compressed_config(again, profile=path))
     assert flextensor.phase(again) == "inference"
     with torch.no_grad():
         assert torch.equal(again(inputs).logits, reference(inputs).logits)
@@ -196,15 +191,7 @@ def test_a_model_loaded_from_a_checkpoint_is_compressed_once_read(fast_decoder: 
     reference.save_pretrained(tmp_path / "llama")
     with torch.device("meta"):
         meta = LlamaForCausalLM(reference.config).to(torch.bfloat16).eval()
-    budget = streaming_config(meta, ["model.layers.*"]).gpu_memory_budget
-    layer = sum(p.numel() * p.element_size() for p in meta.model.layers[0].parameters())
-    config = flextensor.OffloadConfig(
-        include_patterns=["model.layers.*"],
-        device="cpu",
-        gpu_memory_budget=budget + int(1.5 * layer) + 2 * 4096,
-        compression="lossless",
-    )
-    model = flextensor.offload(meta, config, weights=tmp_path / "llama")
+    model = flextensor.offload(meta, compressed_config(meta), weights=tmp_path / "llama")
     assert all(isinstance(u.pack, CodedPack) for u in engine_of(model).units.values())
     inputs = llama_inputs()
     with torch.no_grad():
