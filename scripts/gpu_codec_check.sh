@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # One call on the GPU machine that checks the lossless codec: the Triton decoder against the CPU reference
 # bit for bit (and a GPU encode against the CPU one), then the decode throughput, decode next to compute,
-# and compressed copy + decode behind the link. Needs no carried wheels (torch + triton are on the image,
-# hypothesis only for tests/test_codec.py). Fits well inside a 10-minute device call.
-# ENGINE=1 (default) then benchmarks offload() with compression on llama32_decode_b1 and llama32.
-#   device tool: command: bash scripts/gpu_codec_check.sh
+# and compressed copy + decode behind the link. Fits well inside a 10-minute device call.
+# MICRO=0 skips the decoder's own benchmark. ENGINE=1 (default) then benchmarks offload() with compression on llama32_decode_b1 and llama32.
+#   device tool: carry [".whl"] (pydantic), command: bash scripts/gpu_codec_check.sh
 set -u
-export PYTHONPATH="$PWD/src:$PWD/tests:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "== GPU tests"
-python3 -m pytest tests/test_codec_gpu.py -m gpu -q -p no:cacheprovider 2>&1 | tail -6
-echo "== decode benchmark"
-python3 -m benchmarks.codec_decode 2>&1 | tail -40
+python3 -m pytest tests/test_codec_gpu.py -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tail -${TEST_TAIL:-6}
+if [ "${MICRO:-1}" = 1 ]; then
+    echo "== decode benchmark"
+    python3 -m benchmarks.codec_decode 2>&1 | tail -40
+fi
 if [ "${ENGINE:-1}" = 1 ]; then
     # Compressed streaming end to end (issue 16, Must 4): decode at batch 1 and prefill under a budget,
     # with and without compression, in one invocation each (the same process order every time).

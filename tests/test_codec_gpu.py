@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -112,50 +113,81 @@ def test_a_decode_ordered_after_a_side_stream_copy_fills_its_arena_range_only() 
     assert (result[: weight.numel()] == 3).all() and (result[2 * weight.numel() :] == 3).all()
 
 
-def compressed_medium_llama() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    """(an 8-layer bf16 Llama offloaded with compression under 200 MiB, its inputs, the device model's
-    logits for them)."""
-    import flextensor
+MEDIUM_VOCAB = 4096
+
+
+def medium_llama() -> torch.nn.Module:
+    """An 8-layer bf16 Llama, its layers 30 MB each."""
     from real_models import tiny_llama
 
-    def medium() -> torch.nn.Module:
-        return tiny_llama(layers=8, hidden=1024, heads=16, kv_heads=4, vocab=4096).to(torch.bfloat16)
+    return tiny_llama(layers=8, hidden=1024, heads=16, kv_heads=4, vocab=MEDIUM_VOCAB).to(torch.bfloat16)
 
-    inputs = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
-    with torch.no_grad():
-        reference = medium().cuda()
-        want = reference(inputs).logits
-    del reference
+
+@pytest.fixture
+def compressed_medium_llama() -> Iterator[torch.nn.Module]:
+    """:func:`medium_llama` offloaded with compression under 200 MiB (most layers stream), released after
+    the test (pass or fail: the next test's budget must not see it)."""
+    import flextensor
+
     config = flextensor.OffloadConfig(
         include_patterns=["model.layers.*"], gpu_memory_budget="200MiB", compression="lossless"
     )
-    return flextensor.offload(medium(), config), inputs, want
+    model = flextensor.offload(medium_llama(), config)
+    try:
+        yield model
+    finally:
+        flextensor.release(model)
+        del model
+        torch.cuda.empty_cache()
 
 
-def test_offload_with_compression_streams_bit_for_bit_on_cuda() -> None:
+def device_logits(inputs: torch.Tensor) -> torch.Tensor:
+    """What :func:`medium_llama` computes for ``inputs`` whole on the device."""
+    with torch.no_grad():
+        reference = medium_llama().cuda()
+        want = reference(inputs).logits
+    del reference
+    torch.cuda.empty_cache()
+    return want
+
+
+def tokens(length: int) -> torch.Tensor:
+    return torch.randint(0, MEDIUM_VOCAB, (1, length), generator=torch.Generator().manual_seed(1)).cuda()
+
+
+@pytest.mark.parametrize("length", [16, 1], ids=["prefill", "one-token"])
+def test_offload_with_compression_streams_bit_for_bit_on_cuda(
+    compressed_medium_llama: torch.nn.Module, length: int
+) -> None:
     """compression="lossless" end to end on the GPU: the Triton decoder outpaces the link, so every
     layer's pack is held compressed, and the streamed model's outputs are the device model's, bit for
-    bit."""
+    bit; with one token (compute far shorter than each load, as in decode) too, where a race between the
+    copies, the decodes and the compute would show."""
     import flextensor
 
-    model, inputs, want = compressed_medium_llama()
+    model = compressed_medium_llama
+    inputs = tokens(length)
+    want = device_logits(inputs)
     with torch.no_grad():
-        for _ in range(5):
+        for _ in range(12):
             assert torch.equal(model(inputs).logits, want)
+    assert flextensor.phase(model) == "inference"
     report = flextensor.report(model)
     streamed = [u for u in report.units if not u.resident]
     assert streamed and all(u.coded_nbytes is not None for u in streamed)
     assert report.decode_gbps is not None and report.decode_gbps > 100
     assert report.host_bytes_held < 0.8 * sum(u.nbytes for u in report.units)
-    flextensor.release(model)
 
 
-def test_a_cuda_graph_of_a_compressed_model_replays_bit_for_bit() -> None:
+def test_a_cuda_graph_of_a_compressed_model_replays_bit_for_bit(
+    compressed_medium_llama: torch.nn.Module,
+) -> None:
     """A torch.cuda.graph capture of a steady forward with coded loads: the graph holds each copy into a
     staging slot and the decode on the decode stream; replays and eager forwards mixed stay bitwise."""
     import flextensor
 
-    model, static, want = compressed_medium_llama()
+    model, static = compressed_medium_llama, tokens(16)
+    want = device_logits(static)
     with torch.no_grad():
         while flextensor.phase(model) != "inference":
             model(static)
@@ -173,4 +205,3 @@ def test_a_cuda_graph_of_a_compressed_model_replays_bit_for_bit() -> None:
             assert torch.equal(out, want)
             assert torch.equal(model(static).logits, want)  # an eager forward between replays
     assert any(u.coded_nbytes is not None for u in flextensor.report(model).units)
-    flextensor.release(model)

@@ -106,21 +106,22 @@ def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -
 
 
 def wait_for_decodes(unit: Unit, owner: list[Unit | None], copy_stream: object) -> None:
-    """Before ``unit``'s load writes its range: when a unit there is held compressed, its decode (on the
-    decode stream, see [Note: coded packs] in coded_packs.py) may still be writing it, unordered with the
-    copy stream; wait for the decodes. One look per cell, no wait when nothing there is compressed."""
+    """Before ``unit``'s load writes its range: a compressed unit whose bytes are there was decoded on the
+    decode stream (see [Note: coded packs] in coded_packs.py), unordered with the copy stream; wait for
+    that unit's decode (its own event: in the planned order it ran before this load was issued, so the
+    wait costs nothing, whereas waiting for every decode would idle the link during each). One look per
+    cell, no wait when nothing there is compressed."""
+    previous = None
     for cell in unit.cells:
         occupant = owner[cell]
-        if (
-            occupant is not None
-            and occupant is not unit
-            and occupant.pack is not None
-            and occupant.pack.coded
-        ):
-            loads = occupant.pack.loads  # type: ignore[attr-defined]
+        if occupant is None or occupant is unit or occupant is previous:
+            continue
+        previous = occupant
+        pack = occupant.pack
+        if pack is not None and pack.coded:
+            loads = pack.loads  # type: ignore[attr-defined]
             if loads is not None:
-                loads.fence(copy_stream)
-            return
+                loads.wait_decoded(copy_stream, occupant)
 
 
 @dataclass
