@@ -10,10 +10,17 @@ import pytest
 from flextensor.errors import PlanError
 from flextensor.json_codec import from_json_data, to_json_data
 from flextensor.layout import UNIT_ALIGNMENT
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.measurements import (
+    CODED_PIECE_BYTES,
+    LinkModel,
+    Measurements,
+    UnitMeasurement,
+    coded_pieces,
+)
 from flextensor.plan import Plan
 from flextensor.planner import minimal_need_bytes, plan_offload
 from flextensor.simulator import simulate
+from flextensor.sizes import align_up
 
 UNIT = 16 * UNIT_ALIGNMENT  # 64 KiB
 CODED = 11 * UNIT_ALIGNMENT  # 0.6875 of it
@@ -79,3 +86,21 @@ def test_coded_sizes_and_the_decode_speed_survive_a_profile() -> None:
     assert from_json_data(to_json_data(measurements, Measurements), Measurements) == measurements
     plan = plan_offload(measurements, budget_bytes=2 * UNIT + 2 * CODED)
     assert from_json_data(to_json_data(plan, Plan), Plan) == plan
+
+
+def test_a_unit_in_pieces_is_timed_as_its_pieces_copies_and_one_decode() -> None:
+    """A unit larger than a piece is copied piece by piece (each copy pays the link's latency) while the
+    pieces before decode; the last piece's decode is what its load adds. Its staging slots hold a piece."""
+    piece = CODED_PIECE_BYTES
+    nbytes, coded = 3 * piece + piece // 2, int(0.7 * (3 * piece + piece // 2))
+    link = LinkModel.constant(LINK, latency_s=1e-5)
+    unit = UnitMeasurement("layers.0", nbytes, 0.0, coded_nbytes=coded, coded_piece_nbytes=piece * 3 // 4)
+    measurements = Measurements(units=(unit,), link=link, decode_bps=FAST_DECODE)
+    assert coded_pieces(nbytes) == 4 and coded_pieces(piece) == 1 and coded_pieces(1) == 1
+    copies = 4 * (1e-5 + -(-coded // 4) / LINK)
+    assert measurements.coded_load_s(unit) == pytest.approx(copies + piece / FAST_DECODE)
+    assert unit.staging_nbytes == piece * 3 // 4
+    assert replace(unit, coded_piece_nbytes=None).staging_nbytes == coded  # a profile from before pieces
+    need, _ = minimal_need_bytes(measurements)
+    assert need == align_up(nbytes, UNIT_ALIGNMENT) + 2 * align_up(piece * 3 // 4, UNIT_ALIGNMENT)
+    assert from_json_data(to_json_data(measurements, Measurements), Measurements) == measurements

@@ -11,6 +11,8 @@ import flextensor
 from flextensor.api import engine_of
 from flextensor.coded_packs import CodedPack
 from flextensor.errors import ConfigError, UnsupportedOperationError
+from flextensor.layout import UNIT_ALIGNMENT
+from flextensor.sizes import align_up
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 
@@ -320,3 +322,62 @@ def test_state_dict_of_strided_weights_held_compressed_keeps_their_values(fast_d
     state = model.state_dict()
     for name, value in reference.state_dict().items():
         assert torch.equal(state[name], value) and state[name].stride() == value.stride(), name
+
+
+PIECE = 16 * 1024  # bytes of weights per piece in the tests below: a tiny Llama layer is several
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packs cut in pieces of PIECE bytes, for the encoder and for the planner's model of their loads."""
+    monkeypatch.setattr("flextensor.coded_packs.CODED_PIECE_BYTES", PIECE)
+    monkeypatch.setattr("flextensor.measurements.CODED_PIECE_BYTES", PIECE)
+
+
+def test_a_pack_in_pieces_streams_bit_for_bit_through_slots_of_one_piece(
+    fast_decoder: None, small_pieces: None
+) -> None:
+    """Each unit's compressed pack is cut in pieces, each copied to a staging slot and decoded into its
+    part of the range: the two slots hold a piece each, not a unit, so a budget with room for two raw
+    layers in flight and two pieces streams every layer compressed (two slots of a whole coded layer
+    would not fit), and the outputs and the weights read back are the originals."""
+    reference = bf16_llama()
+    model = bf16_llama()
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    tightest = streaming_config(model, ["model.layers.*"]).gpu_memory_budget
+    config = streaming_config(model, ["model.layers.*"], compression="lossless")
+    budget = tightest + 2 * (PIECE + 8192)  # a piece's index, page-aligned
+    assert budget < tightest + 2 * 0.7 * layer
+    model = flextensor.offload(model, config.model_copy(update={"gpu_memory_budget": budget}))
+    engine = engine_of(model)
+    packs = [u.pack for u in engine.units.values()]
+    assert all(isinstance(p, CodedPack) and len(p.pieces) == -(-p.nbytes // PIECE) > 4 for p in packs)
+    inputs = llama_inputs()
+    with torch.no_grad():
+        want = reference(inputs).logits
+        outs = [model(inputs).logits for _ in range(6)]
+    assert flextensor.phase(model) == "inference"
+    assert all(torch.equal(out, want) for out in outs)
+    plan = engine.current.plan  # type: ignore[union-attr]
+    assert plan.coded == plan.streamed == tuple(engine.units)
+    assert engine.store.coded_loads is not None
+    slot = align_up(max(p.staging_nbytes for p in packs), UNIT_ALIGNMENT)
+    assert engine.store.coded_loads.nbytes == 2 * slot <= 2 * (PIECE + 8192)
+    state = model.state_dict()
+    assert all(torch.equal(state[name], value) for name, value in reference.state_dict().items())
+
+
+def test_a_load_in_pieces_reuses_its_views_until_the_layout_changes(
+    fast_decoder: None, small_pieces: None
+) -> None:
+    """The views a coded load works with (per piece: source, staging slots, destination) are made at a
+    unit's first load and reused by every forward after: no per-piece tensor slicing in steady state."""
+    model = compressed(bf16_llama(layers=3))
+    inputs = llama_inputs()
+    steady(model, inputs, forwards=5)
+    loads = engine_of(model).store.coded_loads
+    assert loads is not None
+    prepared = dict(loads._prepared)
+    assert prepared
+    steady(model, inputs, forwards=2)
+    assert all(loads._prepared[key] is value for key, value in prepared.items())

@@ -145,16 +145,13 @@ def offload(
 def compress(engine: OffloadEngine, arena: torch.Tensor) -> None:
     """Hold compressed the packs whose loads that speeds up, and tell the planner (see [Note: coded
     packs] in coded_packs.py)."""
-    from .coded_packs import compress_packs
+    from .coded_packs import coded_sizes, compress_packs
 
     assert engine.link is not None
     store = engine.store
     decode_bps = compress_packs(store, engine.link, arena)
     if decode_bps is not None:
-        engine.policy.stream_coded(
-            decode_bps,
-            lambda: {u.name: u.pack.coded_nbytes for u in store.units if u.pack is not None and u.pack.coded},  # type: ignore[attr-defined]
-        )
+        engine.policy.stream_coded(decode_bps, lambda: coded_sizes(store.units))
 
 
 def engine_of(model: nn.Module) -> OffloadEngine:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +44,7 @@ from .codec import EncodedTensor, decode, encode
 from .codec.format import CODED_DTYPES
 from .device import DeviceRuntime
 from .host_store import PackedParameter, UnitPack
-from .measurements import LinkModel
+from .measurements import CODED_PIECE_BYTES, LinkModel, coded_load_seconds
 from .sizes import align_up
 from .units import Placement
 
@@ -53,7 +54,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["CodedLoads", "CodedPack", "coded_dtype", "coded_load_pays", "compress_packs", "probe_decode"]
+__all__ = [
+    "CodedLoads",
+    "CodedPack",
+    "CodedPiece",
+    "coded_dtype",
+    "coded_load_pays",
+    "coded_sizes",
+    "compress_packs",
+    "probe_decode",
+]
 
 _INDEX_ALIGNMENT = 8  # the chunk offsets are int64
 
@@ -67,28 +77,75 @@ def coded_dtype(entries: Sequence[PackedParameter]) -> torch.dtype | None:
     return dtype if total and 2 * held >= total else None
 
 
+@dataclass(frozen=True)
+class CodedPiece:
+    """Bytes ``[raw_start, raw_start + raw_nbytes)`` of a unit's packed weights, compressed in bytes
+    ``[start, start + nbytes)`` of its coded pack as ``[stream | chunk offsets (int64) | chunk widths]``
+    (``offsets_at``, ``widths_at``: from ``start``)."""
+
+    raw_start: int
+    raw_nbytes: int
+    start: int
+    nbytes: int
+    stream_nbytes: int
+    offsets_at: int
+    widths_at: int
+    chunks: int
+
+    def encoded(self, data: torch.Tensor, dtype: torch.dtype, chunk_elements: int) -> EncodedTensor:
+        """The piece's encoding over ``data``: its ``nbytes`` (in the pack, or copied to a staging slot)."""
+        return EncodedTensor(
+            dtype=dtype,
+            shape=(self.raw_nbytes // dtype.itemsize,),
+            chunk_elements=chunk_elements,
+            data=data[: self.stream_nbytes],
+            chunk_offsets=data[self.offsets_at : self.widths_at].view(torch.int64),
+            chunk_widths=data[self.widths_at : self.widths_at + self.chunks],
+        )
+
+
 class CodedPack(UnitPack):
-    """A unit's pack holding its bytes losslessly compressed (see [Note: coded packs]). ``nbytes`` is the
-    unit's raw size, as for any pack; ``coded_nbytes`` what a load copies."""
+    """A unit's pack holding its bytes losslessly compressed, in pieces (see [Note: coded packs]).
+    ``nbytes`` is the unit's raw size, as for any pack; ``coded_nbytes`` what a load copies;
+    ``staging_nbytes`` its largest piece, what a staging slot holds."""
 
     coded = True
 
     def __init__(
-        self, unit: str, entries: tuple[PackedParameter, ...], nbytes: int, encoded: EncodedTensor
+        self, unit: str, entries: tuple[PackedParameter, ...], nbytes: int, pieces: Sequence[EncodedTensor]
     ) -> None:
-        stream, offsets, widths = encoded.data, encoded.chunk_offsets, encoded.chunk_widths
-        self._stream_nbytes, self._chunks = stream.numel(), widths.numel()
-        self._offsets_at = align_up(stream.numel(), _INDEX_ALIGNMENT)
-        self._widths_at = self._offsets_at + offsets.nbytes
-        size = self._widths_at + widths.nbytes
-        super().__init__(unit, entries, size, pin=False)  # the host budget pins it, like any pack
-        self.coded_nbytes = size
+        layout, start, raw_start = [], 0, 0
+        for encoded in pieces:
+            stream = encoded.data.numel()
+            offsets_at = align_up(stream, _INDEX_ALIGNMENT)
+            widths_at = offsets_at + encoded.chunk_offsets.nbytes
+            size = widths_at + encoded.num_chunks
+            layout.append(
+                CodedPiece(
+                    raw_start,
+                    encoded.raw_nbytes,
+                    start,
+                    size,
+                    stream,
+                    offsets_at,
+                    widths_at,
+                    encoded.num_chunks,
+                )
+            )
+            start, raw_start = align_up(start + size, _INDEX_ALIGNMENT), raw_start + encoded.raw_nbytes
+        assert raw_start == nbytes and pieces
+        super().__init__(unit, entries, start, pin=False)  # the host budget pins it, like any pack
+        self.pieces = tuple(layout)
+        self.coded_nbytes = start
+        self.staging_nbytes = max(piece.nbytes for piece in layout)
         self.nbytes = nbytes
-        self.dtype, self._chunk = encoded.dtype, encoded.chunk_elements
+        self.dtype, self.chunk_elements = pieces[0].dtype, pieces[0].chunk_elements
         coded = self._buffer
-        coded[: stream.numel()].copy_(stream)
-        coded[self._offsets_at : self._widths_at].copy_(offsets.view(torch.uint8))
-        coded[self._widths_at :].copy_(widths)
+        for piece, encoded in zip(layout, pieces, strict=True):
+            at = coded[piece.start : piece.start + piece.nbytes]
+            at[: piece.stream_nbytes].copy_(encoded.data)
+            at[piece.offsets_at : piece.widths_at].copy_(encoded.chunk_offsets.view(torch.uint8))
+            at[piece.widths_at :].copy_(encoded.chunk_widths)
         self.loads: CodedLoads | None = None  # the store's, set at each layout (see DeviceStore)
 
     @classmethod
@@ -99,22 +156,22 @@ class CodedPack(UnitPack):
         raw: torch.Tensor,
         device: torch.device | None = None,
     ) -> CodedPack:
-        """The coded pack of ``raw`` (a unit's packed bytes, uint8; its layout ``entries``), encoded on
-        ``device`` (a CUDA device encodes many times faster than the CPU)."""
+        """The coded pack of ``raw`` (a unit's packed bytes, uint8; its layout ``entries``), encoded in
+        pieces of ``CODED_PIECE_BYTES`` on ``device`` (a CUDA device encodes many times faster)."""
         dtype = coded_dtype(entries)
-        assert dtype is not None and raw.numel() % 2 == 0
-        return cls(unit, entries, raw.numel(), encode(raw.view(dtype), device=device))
+        assert dtype is not None and raw.numel() % 2 == 0 and raw.numel() > 0
+        values, step = raw.view(dtype), CODED_PIECE_BYTES // dtype.itemsize
+        pieces = [encode(values[at : at + step], device=device) for at in range(0, values.numel(), step)]
+        return cls(unit, entries, raw.numel(), pieces)
 
-    def encoded(self, data: torch.Tensor) -> EncodedTensor:
-        """The encoding over ``data``: this pack's bytes, or a copy of them (the staging buffer)."""
-        return EncodedTensor(
-            dtype=self.dtype,
-            shape=(self.nbytes // self.dtype.itemsize,),
-            chunk_elements=self._chunk,
-            data=data[: self._stream_nbytes],
-            chunk_offsets=data[self._offsets_at : self._widths_at].view(torch.int64),
-            chunk_widths=data[self._widths_at : self._widths_at + self._chunks],
-        )
+    def decode_into(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode ``data`` (this pack's bytes, or a copy of them on a device) into ``out`` (the unit's raw
+        bytes, on the same device), piece by piece, on the current stream."""
+        for piece in self.pieces:
+            encoded = piece.encoded(
+                data[piece.start : piece.start + piece.nbytes], self.dtype, self.chunk_elements
+            )
+            decode(encoded, out=out[piece.raw_start : piece.raw_start + piece.raw_nbytes].view(self.dtype))
 
     # -- everything else reads decoded bytes ---------------------------------------------------------------
 
@@ -122,7 +179,7 @@ class CodedPack(UnitPack):
     def buffer(self) -> torch.Tensor:
         """The unit's raw bytes, decoded on the host into a new tensor (a one-off: an upload, a release)."""
         raw = torch.empty(self.nbytes, dtype=torch.uint8)
-        decode(self.encoded(self._buffer), out=raw.view(self.dtype))
+        self.decode_into(self._buffer, raw)
         return raw
 
     @property
@@ -151,7 +208,44 @@ class CodedPack(UnitPack):
     def __repr__(self) -> str:
         return (
             f"CodedPack({self.unit!r}, {len(self.entries)} parameters, {self.nbytes} bytes coded in "
-            f"{self.coded_nbytes} ({self.coded_nbytes / max(self.nbytes, 1):.3f}), pinned={self.pinned})"
+            f"{self.coded_nbytes} ({self.coded_nbytes / max(self.nbytes, 1):.3f}) in {len(self.pieces)} "
+            f"piece(s), pinned={self.pinned})"
+        )
+
+
+@dataclass(frozen=True)
+class PreparedLoad:
+    """The views one coded load of a unit works with, made once (not per forward): per piece its bytes in
+    the pack, per staging slot (the slot's first bytes, the encoding over them), and its part of the
+    unit's range. Valid while the unit keeps its pack, its pack's buffer and its range."""
+
+    pack: CodedPack
+    source_ptr: int
+    storage_ptr: int
+    pieces: tuple[tuple[torch.Tensor, tuple[tuple[torch.Tensor, EncodedTensor], ...], torch.Tensor], ...]
+
+    @classmethod
+    def of(cls, unit: Unit, slots: Sequence[torch.Tensor]) -> PreparedLoad:
+        pack, storage = unit.pack, unit.storage
+        assert isinstance(pack, CodedPack) and storage is not None
+        source = pack.copy_source
+        pieces = []
+        for piece in pack.pieces:
+            staged = tuple(
+                (slot[: piece.nbytes], piece.encoded(slot[: piece.nbytes], pack.dtype, pack.chunk_elements))
+                for slot in slots
+            )
+            out = storage[piece.raw_start : piece.raw_start + piece.raw_nbytes].view(pack.dtype)
+            pieces.append((source[piece.start : piece.start + piece.nbytes], staged, out))
+        return cls(pack, source.data_ptr(), storage.data_ptr(), tuple(pieces))
+
+    def serves(self, unit: Unit) -> bool:
+        pack, storage = unit.pack, unit.storage
+        return (
+            pack is self.pack
+            and storage is not None
+            and storage.data_ptr() == self.storage_ptr
+            and pack.copy_source.data_ptr() == self.source_ptr
         )
 
 
@@ -169,6 +263,7 @@ class CodedLoads:
         self.decode_stream = runtime.decode_stream
         self._fresh_events()
         self.next = 0
+        self._prepared: dict[int, PreparedLoad] = {}  # id(unit) -> its pieces' views, made at its first load
         self._in_capture: set[int] | None = None  # ids of the events recorded in the capture under way
         self._retired: list[Any] = []  # events recorded inside captures, kept alive with the graphs
 
@@ -182,25 +277,28 @@ class CodedLoads:
         return sum(slot.numel() for slot in self.slots)
 
     def load(self, unit: Unit, copy_stream: Any) -> None:
-        """Copy ``unit``'s compressed pack into a slot (on ``copy_stream``, the current stream) and decode
-        it into the unit's range on the decode stream, which records ``unit.copy_done``."""
-        pack = unit.pack
-        assert isinstance(pack, CodedPack) and unit.storage is not None
-        index, self.next = self.next, (self.next + 1) % self.SLOTS
-        slot = self.slots[index][: pack.coded_nbytes]
-        self._wait(copy_stream, self.freed[index])
-        slot.copy_(pack.copy_source, non_blocking=True)
-        self._record(self.copied[index], copy_stream)
-        decode_stream = self.decode_stream
-        decode_stream.wait_event(self.copied[index])
-        self.runtime.set_stream(decode_stream)
-        try:
-            decode(pack.encoded(slot), out=unit.storage.view(pack.dtype))
-            self._record(unit.copy_done, decode_stream)
-            self._record(self.freed[index], decode_stream)
-            self._record(self.last_decode, decode_stream)
-        finally:
-            self.runtime.set_stream(copy_stream)
+        """Copy each piece of ``unit``'s compressed pack into a slot (on ``copy_stream``, the current
+        stream) and decode it into its part of the unit's range on the decode stream, which then records
+        ``unit.copy_done``."""
+        prepared = self._prepared.get(id(unit))
+        if prepared is None or not prepared.serves(unit):
+            prepared = self._prepared[id(unit)] = PreparedLoad.of(unit, self.slots)
+        decode_stream, runtime = self.decode_stream, self.runtime
+        for source, staged, out in prepared.pieces:
+            index, self.next = self.next, (self.next + 1) % self.SLOTS
+            self._wait(copy_stream, self.freed[index])
+            slot, encoded = staged[index]
+            slot.copy_(source, non_blocking=True)
+            self._record(self.copied[index], copy_stream)
+            decode_stream.wait_event(self.copied[index])
+            runtime.set_stream(decode_stream)
+            try:
+                decode(encoded, out=out)
+                self._record(self.freed[index], decode_stream)
+            finally:
+                runtime.set_stream(copy_stream)
+        self._record(unit.copy_done, decode_stream)
+        self._record(self.last_decode, decode_stream)
 
     def wait_decoded(self, stream: Any, unit: Unit) -> None:
         """Order what ``stream`` issues next after the decode of ``unit``'s latest load (and every decode
@@ -236,32 +334,40 @@ class CodedLoads:
 
 def coded_load_pays(raw_nbytes: int, coded_nbytes: int, link: LinkModel, decode_bps: float) -> bool:
     """Whether a coded load of a unit beats its raw copy (see [Note: coded loads] in measurements.py)."""
-    return link.copy_s(coded_nbytes) + raw_nbytes / decode_bps < link.copy_s(raw_nbytes)
+    return coded_load_seconds(raw_nbytes, coded_nbytes, link, decode_bps) < link.copy_s(raw_nbytes)
 
 
 _PROBE_S = 0.02  # the decodes timed together: long enough that the host clock and a sync add little
 
 
 def probe_decode(runtime: DeviceRuntime, pack: CodedPack, destination: torch.Tensor) -> float:
-    """The device's decode speed, bytes of weights written per second: ``pack`` decoded into
-    ``destination`` (the arena) from a device copy of its bytes. One decode first (a GPU compiles its
-    kernel then), then as many back to back as fill about 20 ms, timed together: one decode of a few MB
-    timed alone would measure the launch and the sync, not the decoder."""
+    """The device's decode speed, bytes of weights written per second: ``pack`` decoded piece by piece
+    into ``destination`` (the arena) from a device copy of its bytes. One decode first (a GPU compiles
+    its kernel then), then as many back to back as fill about 20 ms, timed together: one decode of a few
+    MB timed alone would measure the launch and the sync, not the decoder."""
     on_device = pack.copy_source.to(runtime.device)
-    encoded = pack.encoded(on_device)
-    out = destination[: pack.nbytes].view(encoded.dtype)
+    out = destination[: pack.nbytes]
 
     def seconds_per_decode(repeats: int) -> float:
         runtime.synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
-            decode(encoded, out=out)
+            pack.decode_into(on_device, out)
         runtime.synchronize()
         return max(time.perf_counter() - start, 1e-9) / repeats
 
     seconds_per_decode(1)
     repeats = max(1, min(50, round(_PROBE_S / seconds_per_decode(1))))
     return pack.nbytes / seconds_per_decode(repeats)
+
+
+def coded_sizes(units: Sequence[Unit]) -> dict[str, tuple[int, int]]:
+    """Unit name -> (bytes its coded load copies, its largest piece), for the units held compressed."""
+    return {
+        u.name: (u.pack.coded_nbytes, u.pack.staging_nbytes)  # type: ignore[attr-defined]
+        for u in units
+        if u.pack is not None and u.pack.coded
+    }
 
 
 def compress_packs(store: DeviceStore, link: LinkModel, arena: torch.Tensor) -> float | None:
@@ -277,6 +383,7 @@ def compress_packs(store: DeviceStore, link: LinkModel, arena: torch.Tensor) -> 
         and not u.pack.shared
         and coded_dtype(u.entries) is not None
         and u.nbytes % 2 == 0
+        and u.nbytes > 0
     ]
     if not candidates:
         return None

@@ -4,15 +4,16 @@ Pure data: no torch. Times are seconds of device time, sizes are bytes. Saved in
 (``@record``: see json_codec.py).
 
 [Note: coded loads]
-With ``compression="lossless"`` a unit's pack may be held compressed (codec/, coded_packs.py). Its load
-copies the compressed bytes into one of two device staging slots on the copy stream, then decodes them
-into the unit's arena range on a decode stream, so the next load's copy runs while this one decodes. The
-model charges each coded load ``copy_s(coded_nbytes) + nbytes / decode_bps`` on the copy stream: exact for
-when the unit is ready, pessimistic for how soon the next copy starts (it overlaps the decode). A unit is
-held compressed only where its coded load is faster than its raw copy on this link (decided at
-offload(), coded_packs.compress_packs); compute is unchanged. The planner counts the two staging slots
-(each the largest coded streamed unit) in the peak: under a budget of a few units that room could have
-kept more in the arena, so there compression can make a step slower (it is off by default).
+With ``compression="lossless"`` a unit's pack may be held compressed (codec/, coded_packs.py), cut in
+pieces of ``CODED_PIECE_BYTES`` of weights each. A load copies each piece's compressed bytes into one of
+two device staging slots on the copy stream, and decodes it from there into its part of the unit's arena
+range on a decode stream, so the next piece's copy runs while this one decodes. The model charges each
+coded load its pieces' copies plus the decode of one piece on the copy stream: exact for when the unit
+is ready (the decodes of the other pieces hide under the copies after them), slightly pessimistic for
+how soon the next unit's copy starts (it overlaps the last decode). A unit is held compressed only where
+its coded load is faster than its raw copy on this link (decided at offload(),
+coded_packs.compress_packs); compute is unchanged. The planner counts the two staging slots, each the
+largest compressed piece (``staging_nbytes``), in the peak: a few tens of MB whatever the unit's size.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class UnitMeasurement:
     unit's start: the compute of modules that are not units (embeddings, a final norm, glue).
     ``activation_bytes``: peak allocated during its forward above what was allocated when it started.
     ``coded_nbytes``: bytes its pack takes losslessly compressed (``compression="lossless"``): what its
-    loads copy before decoding; None when it is not held compressed.
+    loads copy before decoding; None when it is not held compressed. ``coded_piece_nbytes``: its largest
+    compressed piece, what a staging slot must hold (None: as ``coded_nbytes``, as profiles written
+    before pieces say).
     """
 
     name: str
@@ -46,6 +49,14 @@ class UnitMeasurement:
     gap_before_s: Seconds = 0.0
     activation_bytes: Bytes = 0
     coded_nbytes: Bytes | None = None
+    coded_piece_nbytes: Bytes | None = None
+
+    @property
+    def staging_nbytes(self) -> int:
+        """What a staging slot needs to load this unit coded (0 when it is not held compressed)."""
+        if self.coded_nbytes is None:
+            return 0
+        return self.coded_nbytes if self.coded_piece_nbytes is None else self.coded_piece_nbytes
 
 
 @record
@@ -88,6 +99,23 @@ class LinkModel:
         return self.latency_s + nbytes / self.bytes_per_s(nbytes)
 
 
+CODED_PIECE_BYTES = 16 * 2**20
+"""Bytes of weights per piece of a compressed pack (see [Note: coded loads]): small enough that the two
+staging slots take little of a budget, large enough that a piece's copy runs at the link's full rate."""
+
+
+def coded_pieces(nbytes: int) -> int:
+    """How many pieces a compressed pack of a unit of ``nbytes`` is cut in."""
+    return max(1, -(-nbytes // CODED_PIECE_BYTES))
+
+
+def coded_load_seconds(nbytes: int, coded_nbytes: int, link: LinkModel, decode_bps: float) -> float:
+    """How long a coded load of a unit of ``nbytes`` (``coded_nbytes`` compressed) holds the copy stream:
+    its pieces' copies, then the decode of the last (see [Note: coded loads])."""
+    pieces = coded_pieces(nbytes)
+    return pieces * link.copy_s(-(-coded_nbytes // pieces)) + min(nbytes, CODED_PIECE_BYTES) / decode_bps
+
+
 @record
 @dataclass(frozen=True)
 class Measurements:
@@ -112,11 +140,11 @@ class Measurements:
     decode_bps: BytesPerSecond | None = None
 
     def coded_load_s(self, unit: UnitMeasurement) -> float | None:
-        """How long ``unit``'s coded load holds the copy stream: its compressed bytes over the link, then
-        its decode (see [Note: coded loads]); None when it is not held compressed."""
+        """How long ``unit``'s coded load holds the copy stream: its compressed pieces over the link, then
+        the last one's decode (see [Note: coded loads]); None when it is not held compressed."""
         if unit.coded_nbytes is None or not self.decode_bps:
             return None
-        return self.link.copy_s(unit.coded_nbytes) + unit.nbytes / self.decode_bps
+        return coded_load_seconds(unit.nbytes, unit.coded_nbytes, self.link, self.decode_bps)
 
     def load_s(self, unit: UnitMeasurement) -> float:
         """How long ``unit``'s load holds the copy stream: coded when it is held compressed, else a copy."""

@@ -61,7 +61,7 @@ class PlanPolicy:
         self.fixed_weight_bytes: Callable[[], int] | None = None  # set by count_weights_only
         self.link_bound = False  # set by plan_for_every_input
         self.decode_bps: float | None = None  # set by stream_coded
-        self.coded_sizes: Callable[[], dict[str, int]] | None = None
+        self.coded_sizes: Callable[[], dict[str, tuple[int, int]]] | None = None
 
     def count_weights_only(self, fixed_weight_bytes: Callable[[], int]) -> None:
         """Plan for the weights alone: ``fixed_weight_bytes()`` (asked at each plan: a weight may leave
@@ -77,9 +77,12 @@ class PlanPolicy:
         (prefill) little: their compute hides the copies of the fewer units left to stream."""
         self.link_bound = True
 
-    def stream_coded(self, decode_bps: float, coded_sizes: Callable[[], dict[str, int]]) -> None:
+    def stream_coded(
+        self, decode_bps: float, coded_sizes: Callable[[], dict[str, tuple[int, int]]]
+    ) -> None:
         """Some packs are held compressed (coded_packs.py): plans time their loads as coded ones, from the
-        decode speed and ``coded_sizes()`` (unit name -> bytes a coded load copies; asked at each plan)."""
+        decode speed and ``coded_sizes()`` (unit name -> (bytes a coded load copies, its largest piece);
+        asked at each plan)."""
         self.decode_bps, self.coded_sizes = decode_bps, coded_sizes
 
     def planned(self, measurements: Measurements) -> Measurements:
@@ -87,7 +90,12 @@ class PlanPolicy:
         coded units' sizes and the decode speed when packs are held compressed."""
         if self.coded_sizes is not None:
             sizes = self.coded_sizes()
-            units = tuple(replace(u, coded_nbytes=sizes.get(u.name)) for u in measurements.units)
+            units = tuple(
+                replace(u, coded_nbytes=None, coded_piece_nbytes=None)
+                if u.name not in sizes
+                else replace(u, coded_nbytes=sizes[u.name][0], coded_piece_nbytes=sizes[u.name][1])
+                for u in measurements.units
+            )
             measurements = replace(measurements, units=units, decode_bps=self.decode_bps)
         if self.fixed_weight_bytes is None:
             return measurements

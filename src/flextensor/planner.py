@@ -112,8 +112,8 @@ class _Search:
         self.compute = [u.compute_s for u in units]
         self.gaps = [u.gap_before_s for u in units]
         self.copy_s = [measurements.load_s(u) for u in units]  # coded when held compressed
-        self.coded_nbytes = [
-            (u.coded_nbytes or 0) if measurements.coded_load_s(u) is not None else 0 for u in units
+        self.staging_nbytes = [  # 0: loaded raw
+            u.staging_nbytes if measurements.coded_load_s(u) is not None else 0 for u in units
         ]
         self.fixed = measurements.baseline_bytes + measurements.activation_peak_bytes
         self.total = sum(self.padded)
@@ -179,7 +179,7 @@ class _Search:
             want_gain=True,
         )
         assert trace.gain is not None
-        staging = coded_staging_bytes([self.coded_nbytes[i] for i in order if i not in staged])
+        staging = coded_staging_bytes([self.staging_nbytes[i] for i in order if i not in staged])
         config = _Config(
             resident=resident,
             arena=arena,
@@ -359,7 +359,7 @@ def minimal_need_bytes(measurements: Measurements) -> tuple[int, int]:
     padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in units]
     in_flight = min(DOUBLE_BUFFER * max(padded, default=0), sum(padded))
     in_flight += coded_staging_bytes(
-        [u.coded_nbytes or 0 for u in units if measurements.coded_load_s(u) is not None]
+        [u.staging_nbytes for u in units if measurements.coded_load_s(u) is not None]
     )
     need = measurements.baseline_bytes + measurements.activation_peak_bytes + in_flight
     return need, in_flight
@@ -406,7 +406,7 @@ def plan_offload(
         coded=tuple(
             names[i]
             for i in range(len(names))
-            if i not in config.resident and i not in config.staged and search.coded_nbytes[i]
+            if i not in config.resident and i not in config.staged and search.staging_nbytes[i]
         ),
     )
     prediction = simulate(

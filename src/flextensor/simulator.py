@@ -116,23 +116,24 @@ def peak_bytes(
     measurements: Measurements,
     resident_nbytes: Sequence[int],
     arena_bytes: int,
-    coded_nbytes: Sequence[int] = (),
+    staging_nbytes: Sequence[int] = (),
 ) -> int:
-    """Steady-state peak: what flextensor does not plan, resident units, the arena, the staging buffer of
-    the coded units (``coded_nbytes``: their compressed sizes) and activations.
+    """Steady-state peak: what flextensor does not plan, resident units, the arena, the staging slots of
+    the coded units (``staging_nbytes``: their largest compressed pieces) and activations.
 
     Resident units are rounded up to the arena's alignment: the engine packs each unit in its own
     aligned buffer, so this is what they really take.
     """
     resident = sum(align_up(n, UNIT_ALIGNMENT) for n in resident_nbytes)
     fixed = measurements.baseline_bytes + measurements.activation_peak_bytes
-    return fixed + resident + arena_bytes + coded_staging_bytes(coded_nbytes)
+    return fixed + resident + arena_bytes + coded_staging_bytes(staging_nbytes)
 
 
-def coded_staging_bytes(coded_nbytes: Sequence[int]) -> int:
-    """The device slots coded loads go through: two of the largest (one being decoded while the next is
-    copied, see [Note: coded loads] in measurements.py)."""
-    return CODED_STAGING_SLOTS * align_up(max(coded_nbytes, default=0), UNIT_ALIGNMENT)
+def coded_staging_bytes(staging_nbytes: Sequence[int]) -> int:
+    """The device slots coded loads go through, given each coded unit's largest compressed piece: two of
+    the largest (one being decoded while the next is copied, see [Note: coded loads] in
+    measurements.py)."""
+    return CODED_STAGING_SLOTS * align_up(max(staging_nbytes, default=0), UNIT_ALIGNMENT)
 
 
 @dataclass
@@ -389,7 +390,7 @@ def simulate(
             measurements,
             [sizes[name] for name in plan.resident],
             plan.arena_bytes,
-            [u.coded_nbytes or 0 for u in units if u.name in plan.coded],
+            [u.staging_nbytes for u in units if u.name in plan.coded],
         ),
         streamed_bytes=sum(n for n, c in zip(layout.sizes, trace.copied, strict=True) if c),
         compute_s=measurements.compute_s,

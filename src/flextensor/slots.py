@@ -252,15 +252,16 @@ class DeviceStore:
 
     def allocate_coded_loads(self, placed: Sequence[Unit], streamed: Sequence[Unit] = ()) -> None:
         """The staging slots and decode stream for the coded loads of the units ``placed`` in the arena,
-        each slot as large as the largest (see [Note: coded packs] in coded_packs.py). The plan counted
-        the slots for its ``streamed`` units; a larger unit that never ran makes them larger (warned)."""
+        each slot as large as the largest compressed piece (see [Note: coded packs] in coded_packs.py).
+        The plan counted the slots for its ``streamed`` units; a larger piece of a unit that never ran
+        makes them larger (warned)."""
         coded = [u for u in placed if u.pack is not None and u.pack.coded]
         if not coded:
             return
         from .coded_packs import CodedLoads
 
         def slot_bytes(units: Sequence[Unit]) -> int:
-            sizes = [u.pack.coded_nbytes for u in units if u.pack is not None and u.pack.coded]  # type: ignore[attr-defined]
+            sizes = [u.pack.staging_nbytes for u in units if u.pack is not None and u.pack.coded]  # type: ignore[attr-defined]
             return align_up(max(sizes, default=0), UNIT_ALIGNMENT)
 
         largest, planned = slot_bytes(coded), slot_bytes(streamed)

@@ -57,7 +57,7 @@ def count_weights_only(model: nn.Module) -> None:
     in_flight = provisional_arena_bytes([unit.nbytes for unit in units])
     # Compressed packs load through staging slots the plans count too (see [Note: coded loads]).
     in_flight += coded_staging_bytes(
-        [u.pack.coded_nbytes for u in units if u.pack is not None and u.pack.coded]
+        [u.pack.staging_nbytes for u in units if u.pack is not None and u.pack.coded]
     )  # type: ignore[attr-defined]
     budget = policy.budget_bytes
     if budget is not None and budget < outside + in_flight:
