@@ -104,3 +104,21 @@ def test_a_unit_in_pieces_is_timed_as_its_pieces_copies_and_one_decode() -> None
     need, _ = minimal_need_bytes(measurements)
     assert need == align_up(nbytes, UNIT_ALIGNMENT) + 2 * align_up(piece * 3 // 4, UNIT_ALIGNMENT)
     assert from_json_data(to_json_data(measurements, Measurements), Measurements) == measurements
+
+
+def test_staged_units_held_compressed_are_timed_as_coded_loads_over_the_staged_link() -> None:
+    """Under a host budget, a compressed unit that is staged still loads compressed: its pieces cross
+    the slower staged link, then decode. The planner ranks and pins by what packs hold (compressed)."""
+    from flextensor.staged_units import HostPlan
+
+    measurements = link_bound(units=4)
+    names = tuple(u.name for u in measurements.units)
+    staged_link = LinkModel.constant(LINK / 2)
+    plan = Plan(resident=(), streamed=names, arena_bytes=2 * UNIT, staged=names[:2], coded=names)
+    # Four loads back to back: two over the staged link, two over the pinned one.
+    step = 2 * (CODED / (LINK / 2) + UNIT / FAST_DECODE) + 2 * (CODED / LINK + UNIT / FAST_DECODE)
+    assert simulate(plan, measurements, staged_link=staged_link).step_s == pytest.approx(step)
+    # Room to pin two compressed packs, not two raw ones: two units staged, all four compressed.
+    host = HostPlan(capacity_bytes=2 * 12 * UNIT_ALIGNMENT, staged_link=staged_link)
+    planned = plan_offload(measurements, budget_bytes=2 * UNIT + 2 * CODED, host=host)
+    assert len(planned.staged) == 2 and planned.coded == planned.streamed == names

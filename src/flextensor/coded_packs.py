@@ -24,10 +24,12 @@ the same happens with the reference decoder and the host's stand-in streams, so 
 
 Everything else that reads a pack gets decoded bytes, a copy of its own each time (``buffer``, ``view``,
 ``standalone_view``): uploads to resident storage, ``state_dict()``, ``release()``. A pack built again
-from device storage (a resident unit that streams again) is encoded again. Not supported with coded
-packs (refused where set): shared host memory, an explicit host budget, ``flextensor.editing``, vLLM's
-CUDA graphs. From a checkpoint (``offload(weights=)``), each pack is encoded once its read is done. A
-CUDA-graph capture records the loads like any copy (:meth:`CodedLoads.begin_capture`).
+from device storage (a resident unit that streams again) is encoded again. Under a host budget a coded
+pack it cannot pin stays pageable and its pieces go through the staging ring (``Unit.staging``) into
+the staging slots. Not supported with coded packs (refused where set): shared host memory,
+``flextensor.editing``, vLLM's CUDA graphs. From a checkpoint (``offload(weights=)``), each pack is
+encoded once its read is done. A CUDA-graph capture records the loads like any copy
+(:meth:`CodedLoads.begin_capture`).
 """
 
 from __future__ import annotations
@@ -283,12 +285,15 @@ class CodedLoads:
         prepared = self._prepared.get(id(unit))
         if prepared is None or not prepared.serves(unit):
             prepared = self._prepared[id(unit)] = PreparedLoad.of(unit, self.slots)
-        decode_stream, runtime = self.decode_stream, self.runtime
+        decode_stream, runtime, ring = self.decode_stream, self.runtime, unit.staging
         for source, staged, out in prepared.pieces:
             index, self.next = self.next, (self.next + 1) % self.SLOTS
             self._wait(copy_stream, self.freed[index])
             slot, encoded = staged[index]
-            slot.copy_(source, non_blocking=True)
+            if ring is None:
+                slot.copy_(source, non_blocking=True)
+            else:  # a pageable pack under the host budget (see [Note: staging ring] in staging.py)
+                ring.copy_from_host(slot, source, copy_stream)
             self._record(self.copied[index], copy_stream)
             decode_stream.wait_event(self.copied[index])
             runtime.set_stream(decode_stream)

@@ -233,7 +233,7 @@ class OffloadConfig(BaseModel):
             "size) and decodes them on the device as they stream, bit for bit: fewer bytes cross the link, "
             "so steps bound by it run faster. offload() probes the link and the decoder and compresses "
             "only the units whose loads it speeds up (on a CPU device, normally none). 'off' (the default) "
-            "copies weights as they are. Not with share_host_memory or host_memory_budget. See "
+            "copies weights as they are. Not with share_host_memory. See "
             "docs/compression.md."
         ),
     )
@@ -387,10 +387,7 @@ class OffloadConfig(BaseModel):
     @model_validator(mode="after")
     def _check_compression_fits(self) -> OffloadConfig:
         if self.compression == "lossless":
-            for field, value in (
-                ("share_host_memory", self.share_host_memory),
-                ("host_memory_budget", self.host_memory_budget),
-            ):
+            for field, value in (("share_host_memory", self.share_host_memory),):
                 if value:
                     raise ConfigError(
                         f"compression='lossless' with {field} is not supported yet: leave {field} unset, or "

@@ -139,12 +139,13 @@ class Measurements:
     input_shapes: tuple[str, ...] = field(default_factory=tuple)
     decode_bps: BytesPerSecond | None = None
 
-    def coded_load_s(self, unit: UnitMeasurement) -> float | None:
-        """How long ``unit``'s coded load holds the copy stream: its compressed pieces over the link, then
-        the last one's decode (see [Note: coded loads]); None when it is not held compressed."""
+    def coded_load_s(self, unit: UnitMeasurement, link: LinkModel | None = None) -> float | None:
+        """How long ``unit``'s coded load holds the copy stream: its compressed pieces over the link (or
+        ``link``: the staged copies' speed), then the last one's decode (see [Note: coded loads]); None
+        when it is not held compressed."""
         if unit.coded_nbytes is None or not self.decode_bps:
             return None
-        return coded_load_seconds(unit.nbytes, unit.coded_nbytes, self.link, self.decode_bps)
+        return coded_load_seconds(unit.nbytes, unit.coded_nbytes, link or self.link, self.decode_bps)
 
     def load_s(self, unit: UnitMeasurement) -> float:
         """How long ``unit``'s load holds the copy stream: coded when it is held compressed, else a copy."""

@@ -25,8 +25,9 @@ class Plan:
     ``budget_bytes``: the budget it was made for (None: none).
     ``staged``: streamed units copied through the staging ring because the host budget cannot pin them
     (see [Note: host budget] in host_budget.py), in execution order; the others are pinned.
-    ``coded``: streamed units loaded compressed (see [Note: coded loads] in measurements.py), in execution
-    order; the others are copied as packed.
+    ``coded``: streamed units loaded compressed (see [Note: coded loads] in measurements.py), staged ones
+    included (their compressed pieces go through the staging ring), in execution order; the others are
+    copied as packed.
     """
 
     resident: tuple[str, ...]

@@ -98,7 +98,16 @@ class _Search:
         units = measurements.units
         self.measurements = measurements
         self.host = host
-        self.staged_copy_s = [] if host is None else [host.staged_link.copy_s(u.nbytes) for u in units]
+        self.staged_copy_s = (
+            []
+            if host is None
+            else [
+                host.staged_link.copy_s(u.nbytes)
+                if (coded := measurements.coded_load_s(u, host.staged_link)) is None
+                else coded
+                for u in units
+            ]
+        )
         self.on_disk = frozenset(
             i for i, u in enumerate(units) if host is not None and u.name in host.disk_units
         )
@@ -108,6 +117,10 @@ class _Search:
                 self.staged_copy_s[i] = max(self.staged_copy_s[i], disk_s)
         self.names = [u.name for u in units]
         self.nbytes = [u.nbytes for u in units]
+        self.host_nbytes = [  # what each pack holds on the host (compressed: its coded bytes)
+            u.coded_nbytes if u.coded_nbytes is not None and measurements.decode_bps else u.nbytes
+            for u in units
+        ]
         self.padded = [align_up(u.nbytes, UNIT_ALIGNMENT) for u in units]
         self.compute = [u.compute_s for u in units]
         self.gaps = [u.gap_before_s for u in units]
@@ -156,7 +169,7 @@ class _Search:
             staged_copy_s = [self.staged_copy_s[i] for i in order]
             staged = choose_staged(
                 order,
-                self.nbytes,
+                self.host_nbytes,
                 self.at,
                 self.compute,
                 self.compute_s,
@@ -179,7 +192,7 @@ class _Search:
             want_gain=True,
         )
         assert trace.gain is not None
-        staging = coded_staging_bytes([self.staging_nbytes[i] for i in order if i not in staged])
+        staging = coded_staging_bytes([self.staging_nbytes[i] for i in order])
         config = _Config(
             resident=resident,
             arena=arena,
@@ -406,7 +419,7 @@ def plan_offload(
         coded=tuple(
             names[i]
             for i in range(len(names))
-            if i not in config.resident and i not in config.staged and search.staging_nbytes[i]
+            if i not in config.resident and search.staging_nbytes[i]
         ),
     )
     prediction = simulate(

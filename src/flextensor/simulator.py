@@ -308,8 +308,8 @@ def _check_plan(plan: Plan, measurements: Measurements) -> None:
         raise PlanError(f"plan.staged names units that are not streamed: {extra}")
     by_name = measurements.by_name()
     for name in plan.coded:
-        if name not in streamed or name in plan.staged or measurements.coded_load_s(by_name[name]) is None:
-            raise PlanError(f"plan.coded names {name}, which is not a streamed, unstaged, compressed unit")
+        if name not in streamed or measurements.coded_load_s(by_name[name]) is None:
+            raise PlanError(f"plan.coded names {name}, which is not a streamed, compressed unit")
 
 
 def simulate(
@@ -341,7 +341,11 @@ def simulate(
     position = [pos_of.get(u.name, -1) for u in units]
     link = measurements.link
     staged = set(plan.staged) if staged_link is not None else set()
-    coded = {u.name: measurements.coded_load_s(u) for u in units if u.name in plan.coded}
+    coded = {
+        u.name: measurements.coded_load_s(u, staged_link if u.name in staged else None)
+        for u in units
+        if u.name in plan.coded
+    }
     copy_s = [
         coded[name] if name in coded else (staged_link if name in staged else link).copy_s(n)  # type: ignore[union-attr]
         for name, n in zip(layout.order, layout.sizes, strict=True)

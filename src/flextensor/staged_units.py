@@ -68,8 +68,9 @@ def choose_staged(
 ) -> frozenset[int]:
     """The units (indices) to stage among the streamed ``order`` (see [Note: which units are staged]).
 
-    Per unit index: ``nbytes``, ``starts`` (its start in the all-resident timeline) and ``compute`` (its
-    compute time); ``period`` is that timeline's length. Per streamed position: ``ready_after`` (the
+    Per unit index: ``nbytes`` (what its pack holds: compressed, for a compressed unit), ``starts`` (its
+    start in the all-resident timeline) and ``compute`` (its compute time); ``period`` is that
+    timeline's length. Per streamed position: ``ready_after`` (the
     position whose post-hook issues its copy, None when it is copied once) and ``staged_copy_s``.
     Units ``on_disk`` hold no pack: they are staged, always, and need no pinned bytes.
     """
