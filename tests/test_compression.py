@@ -50,6 +50,17 @@ def compressed(model: torch.nn.Module) -> torch.nn.Module:
     return flextensor.offload(model, compressed_config(model))
 
 
+def streams_bit_for_bit(model: torch.nn.Module, reference: torch.nn.Module, forwards: int = 5) -> None:
+    """``forwards`` forwards of the offloaded ``model`` reach steady state, each bit for bit
+    ``reference``'s."""
+    inputs = llama_inputs()
+    with torch.no_grad():
+        want = reference(inputs).logits
+        outs = [model(inputs).logits for _ in range(forwards)]
+    assert flextensor.phase(model) == "inference"
+    assert all(torch.equal(out, want) for out in outs)
+
+
 def test_compressed_streaming_is_bit_for_bit(fast_decoder: None) -> None:
     reference = bf16_llama()
     model = compressed(bf16_llama())
@@ -58,12 +69,7 @@ def test_compressed_streaming_is_bit_for_bit(fast_decoder: None) -> None:
     assert all(isinstance(p, CodedPack) for p in packs)
     raw = sum(u.nbytes for u in engine.units.values())
     assert engine.store.host_bytes_held() < 0.8 * raw  # held compressed (random weights: ~0.7)
-    inputs = llama_inputs()
-    with torch.no_grad():
-        want = reference(inputs).logits
-        outs = [model(inputs).logits for _ in range(5)]
-    assert flextensor.phase(model) == "inference"
-    assert all(torch.equal(out, want) for out in outs)
+    streams_bit_for_bit(model, reference)
     plan = engine.current.plan  # type: ignore[union-attr]
     assert plan.streamed and plan.coded == plan.streamed  # every streamed unit loads coded
     assert engine.store.coded_loads is not None and len(engine.store.coded_loads.slots) == 2
@@ -348,12 +354,7 @@ def test_a_pack_in_pieces_streams_bit_for_bit_through_slots_of_one_piece(
     engine = engine_of(model)
     packs = [u.pack for u in engine.units.values()]
     assert all(isinstance(p, CodedPack) and len(p.pieces) == -(-p.nbytes // PIECE) > 4 for p in packs)
-    inputs = llama_inputs()
-    with torch.no_grad():
-        want = reference(inputs).logits
-        outs = [model(inputs).logits for _ in range(6)]
-    assert flextensor.phase(model) == "inference"
-    assert all(torch.equal(out, want) for out in outs)
+    streams_bit_for_bit(model, reference, forwards=6)
     plan = engine.current.plan  # type: ignore[union-attr]
     assert plan.coded == plan.streamed == tuple(engine.units)
     assert engine.store.coded_loads is not None
