@@ -90,15 +90,20 @@ def test_coded_sizes_and_the_decode_speed_survive_a_profile() -> None:
 
 def test_a_unit_in_pieces_is_timed_as_its_pieces_copies_and_one_decode() -> None:
     """A unit larger than a piece is copied piece by piece (each copy pays the link's latency) while the
-    pieces before decode; the last piece's decode is what its load adds. Its staging slots hold a piece."""
+    pieces before decode: a two-stage pipeline, its slower stage paid per piece, the other once. Its
+    staging slots hold a piece."""
     piece = CODED_PIECE_BYTES
     nbytes, coded = 3 * piece + piece // 2, int(0.7 * (3 * piece + piece // 2))
     link = LinkModel.constant(LINK, latency_s=1e-5)
     unit = UnitMeasurement("layers.0", nbytes, 0.0, coded_nbytes=coded, coded_piece_nbytes=piece * 3 // 4)
     measurements = Measurements(units=(unit,), link=link, decode_bps=FAST_DECODE)
     assert coded_pieces(nbytes) == 4 and coded_pieces(piece) == 1 and coded_pieces(1) == 1
-    copies = 4 * (1e-5 + -(-coded // 4) / LINK)
-    assert measurements.coded_load_s(unit) == pytest.approx(copies + piece / FAST_DECODE)
+    copy, decode = 1e-5 + -(-coded // 4) / LINK, nbytes / 4 / FAST_DECODE
+    assert copy > decode
+    assert measurements.coded_load_s(unit) == pytest.approx(4 * copy + decode)
+    # Behind a decoder slower than the link the copies wait for staging slots: the decodes set the pace.
+    slow = replace(measurements, decode_bps=LINK / 4)
+    assert slow.coded_load_s(unit) == pytest.approx(4 * nbytes / 4 / (LINK / 4) + copy)
     assert unit.staging_nbytes == piece * 3 // 4
     assert replace(unit, coded_piece_nbytes=None).staging_nbytes == coded  # a profile from before pieces
     need, _ = minimal_need_bytes(measurements)

@@ -420,3 +420,24 @@ def test_compressed_packs_the_host_budget_cannot_pin_go_through_the_staging_ring
     status = flextensor.status(model)
     assert status.direct_bytes + status.staging_bytes <= budget
     assert {u.name for u in status.units if u.staged} == set(plan.staged)
+
+
+def test_release_frees_the_coded_loads_at_once(fast_decoder: None) -> None:
+    """The coded loads' cached views hold the arena, the staging slots and every compressed pack, and the
+    packs point back at them: release() breaks that cycle, so the memory goes at once, not at the next
+    garbage collection."""
+    import gc
+    import weakref
+
+    model = compressed(bf16_llama())
+    steady(model, llama_inputs())
+    loads = engine_of(model).store.coded_loads
+    assert loads is not None and loads._prepared
+    gone = weakref.ref(loads)
+    del loads
+    gc.disable()
+    try:
+        flextensor.release(model)
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -3,24 +3,26 @@
 [Note: coded packs]
 At offload(), once the link's speed and the device's decode speed are probed, every unit whose coded load
 beats its raw copy (see [Note: coded loads] in measurements.py) gets its pack encoded (codec/) and the raw
-pack freed: host memory then holds the compressed bytes, pinned like any pack. The whole pack is encoded
-as one tensor of the unit's 16-bit dtype (bfloat16 or float16, whichever holds most of its bytes): every
-bit pattern round-trips, so parameters of other dtypes and the alignment padding pass through intact,
-just less compressed, and one decode rebuilds the whole arena range.
+pack freed: host memory then holds the compressed bytes, pinned like any pack. The pack's bytes are
+encoded as the unit's 16-bit dtype (bfloat16 or float16, whichever holds most of them): every bit
+pattern round-trips, so parameters of other dtypes and the alignment padding pass through intact, just
+less compressed. They are encoded in pieces of ``CODED_PIECE_BYTES`` (16 MiB of weights), each its own
+``[stream | chunk offsets (int64) | chunk widths]`` (:class:`CodedPiece`): one copy moves everything a
+piece's decode reads, and the staging slots hold a piece, not a unit.
 
-A coded pack's buffer is ``[stream | chunk offsets (int64) | chunk widths]``: one copy moves everything a
-decode reads. A load (:class:`CodedLoads`) copies it into one of two device staging slots on the copy
-stream, then decodes it from there into the unit's arena range on a decode stream of its own, which
-records the event the unit's pre-hook waits on: the next load's copy runs while this one decodes. A slot
-is copied into again only after the decode that read it (an event per slot). The decode writes the range
-after everything the copy stream was ordered after (it waits for the copy's event), so it never
-overtakes a reader of the range. Any load into a range a compressed unit was decoded into first waits
-for that unit's decode (``wait_decoded``): in the planned order the wait is already met (the ring orders
-each load after the compute of the units whose range it takes, which waited for their decodes), but a
-unit loaded and never run (control flow) would otherwise race its own decode. A load out of the learned
-order waits for every decode. Waiting for every decode on each load would idle the link while the
-unit before decodes (found on the H200: each 306 MB copy then took 6.4 ms instead of 5.6). On a CPU device
-the same happens with the reference decoder and the host's stand-in streams, so the CPU tests run it.
+A load (:class:`CodedLoads`) copies each piece into one of two device staging slots on the copy stream,
+then decodes it from there into its part of the unit's arena range on a decode stream of its own; after
+the last piece that stream records the event the unit's pre-hook waits on. The next piece's copy runs
+while this one decodes; a slot is copied into again only after the decode that read it (an event per
+slot). A decode writes the range after everything the copy stream was ordered after (it waits for the
+copy's event), so it never overtakes a reader of the range. Any load into a range a compressed unit was
+decoded into first waits for that unit's decode (``wait_decoded``): in the planned order the wait is
+already met (the ring orders each load after the compute of the units whose range it takes, which waited
+for their decodes), but a unit loaded and never run (control flow) would otherwise race its own decode. A
+load out of the learned order waits for those decodes too (and, from ``DeviceStore.load_on_demand``, for
+every decode). Waiting for every decode on each load would idle the link while the unit before decodes
+(found on the H200: each 306 MB copy then took 6.4 ms instead of 5.6). On a CPU device the same happens
+with the reference decoder and the host's stand-in streams, so the CPU tests run it.
 
 Everything else that reads a pack gets decoded bytes, a copy of its own each time (``buffer``, ``view``,
 ``standalone_view``): uploads to resident storage, ``state_dict()``, ``release()``. A pack built again
@@ -47,6 +49,7 @@ from .codec.format import CODED_DTYPES
 from .device import DeviceRuntime
 from .host_store import PackedParameter, UnitPack
 from .measurements import CODED_PIECE_BYTES, LinkModel, coded_load_seconds
+from .simulator import CODED_STAGING_SLOTS
 from .sizes import align_up
 from .units import Placement
 
@@ -255,7 +258,7 @@ class CodedLoads:
     """The device side of coded loads: two staging slots, the decode stream and their events (see
     [Note: coded packs]). Built by the store at each layout that places a coded unit."""
 
-    SLOTS = 2
+    SLOTS = CODED_STAGING_SLOTS  # what the planner counts
 
     def __init__(
         self, runtime: DeviceRuntime, slot_bytes: int, allocate: Callable[[int], torch.Tensor]

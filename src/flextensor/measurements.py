@@ -8,9 +8,10 @@ With ``compression="lossless"`` a unit's pack may be held compressed (codec/, co
 pieces of ``CODED_PIECE_BYTES`` of weights each. A load copies each piece's compressed bytes into one of
 two device staging slots on the copy stream, and decodes it from there into its part of the unit's arena
 range on a decode stream, so the next piece's copy runs while this one decodes. The model charges each
-coded load its pieces' copies plus the decode of one piece on the copy stream: exact for when the unit
-is ready (the decodes of the other pieces hide under the copies after them), slightly pessimistic for
-how soon the next unit's copy starts (it overlaps the last decode). A unit is held compressed only where
+coded load on the copy stream as that two-stage pipeline: the slower stage (a piece's copy behind a
+fast decoder; its decode behind a slow one, the copies then waiting for staging slots) once per piece,
+the other once. That is when the unit is ready; slightly pessimistic for how soon the next unit's copy
+starts (it overlaps the last decode). A unit is held compressed only where
 its coded load is faster than its raw copy on this link (decided at offload(),
 coded_packs.compress_packs); compute is unchanged. The planner counts the two staging slots, each the
 largest compressed piece (``staging_nbytes``), in the peak: a few tens of MB whatever the unit's size.
@@ -110,10 +111,13 @@ def coded_pieces(nbytes: int) -> int:
 
 
 def coded_load_seconds(nbytes: int, coded_nbytes: int, link: LinkModel, decode_bps: float) -> float:
-    """How long a coded load of a unit of ``nbytes`` (``coded_nbytes`` compressed) holds the copy stream:
-    its pieces' copies, then the decode of the last (see [Note: coded loads])."""
+    """How long a coded load of a unit of ``nbytes`` (``coded_nbytes`` compressed) holds the copy stream
+    (see [Note: coded loads]): its pieces copy and decode as a two-stage pipeline, so the slower stage
+    runs once per piece and the faster one once."""
     pieces = coded_pieces(nbytes)
-    return pieces * link.copy_s(-(-coded_nbytes // pieces)) + min(nbytes, CODED_PIECE_BYTES) / decode_bps
+    copy = link.copy_s(-(-coded_nbytes // pieces))
+    decode = nbytes / pieces / decode_bps
+    return pieces * max(copy, decode) + min(copy, decode)
 
 
 @record

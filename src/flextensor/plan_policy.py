@@ -77,9 +77,7 @@ class PlanPolicy:
         (prefill) little: their compute hides the copies of the fewer units left to stream."""
         self.link_bound = True
 
-    def stream_coded(
-        self, decode_bps: float, coded_sizes: Callable[[], dict[str, tuple[int, int]]]
-    ) -> None:
+    def stream_coded(self, decode_bps: float, coded_sizes: Callable[[], dict[str, tuple[int, int]]]) -> None:
         """Some packs are held compressed (coded_packs.py): plans time their loads as coded ones, from the
         decode speed and ``coded_sizes()`` (unit name -> (bytes a coded load copies, its largest piece);
         asked at each plan)."""

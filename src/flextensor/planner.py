@@ -417,9 +417,7 @@ def plan_offload(
         budget_bytes=budget_bytes,
         staged=tuple(names[i] for i in range(len(names)) if i in config.staged),
         coded=tuple(
-            names[i]
-            for i in range(len(names))
-            if i not in config.resident and search.staging_nbytes[i]
+            names[i] for i in range(len(names)) if i not in config.resident and search.staging_nbytes[i]
         ),
     )
     prediction = simulate(

@@ -18,8 +18,8 @@ copy stream:
   remainder instead of hiding under the caller's own work;
 * when ``ready_after[k]`` is None the unit's range is never overwritten: it is copied once, ever;
 * a unit's compute starts at ``max(previous compute end + gap, end of its copy)``;
-* a coded unit's load (``plan.coded``) holds the copy stream for its compressed copy and its decode (see
-  [Note: coded loads] in measurements.py).
+* a coded unit's load (``plan.coded``) holds the copy stream for its compressed pieces' copies and
+  decodes (see [Note: coded loads] in measurements.py).
 
 A cold step (the first one, or every step when ``cyclic=False``) starts with an empty arena: the copies
 that no earlier compute of the step issues (``ready_after`` None or later in the order) are issued at the

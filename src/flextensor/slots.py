@@ -463,6 +463,8 @@ class DeviceStore:
     def free_everything(self) -> None:
         """Let go of the arena, every storage and every pack (after the parameters got their own copies)."""
         self.host.free()  # first: the disk readers still read into the packs' files
+        # The coded loads' views hold the arena, the slots and every coded pack; packs point back at them.
+        self._drop_coded_loads()
         for unit in self.units:
             unit.storage = None
             unit.cells = ()
@@ -474,7 +476,6 @@ class DeviceStore:
                 unit.pack = None
         self.arena = None
         self.reserved = None
-        self.coded_loads = None
         self.owner = []
 
     def __repr__(self) -> str:

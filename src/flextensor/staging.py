@@ -60,7 +60,7 @@ class StagingRing:
         self._drained = [runtime.event() for _ in range(slots)]  # recorded after each copy out of the slot
         self._in_use = [False] * slots  # whether the slot's event guards a copy (unrecorded: none)
         self._next = 0
-        self.copies = 0  # unit copies staged since offload()
+        self.copies = 0  # copies staged since offload(): a unit's, or a piece of a compressed unit's
         self.staged_bytes = 0
 
     @property
