@@ -364,7 +364,7 @@ def test_a_pack_in_pieces_streams_bit_for_bit_through_slots_of_one_piece(
     assert all(torch.equal(state[name], value) for name, value in reference.state_dict().items())
 
 
-def test_a_load_in_pieces_reuses_its_views_until_the_layout_changes(
+def test_a_load_in_pieces_reuses_its_views_across_forwards(
     fast_decoder: None, small_pieces: None
 ) -> None:
     """The views a coded load works with (per piece: source, staging slots, destination) are made at a

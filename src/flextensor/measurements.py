@@ -8,13 +8,13 @@ With ``compression="lossless"`` a unit's pack may be held compressed (codec/, co
 pieces of ``CODED_PIECE_BYTES`` of weights each. A load copies each piece's compressed bytes into one of
 two device staging slots on the copy stream, and decodes it from there into its part of the unit's arena
 range on a decode stream, so the next piece's copy runs while this one decodes. The model charges each
-coded load on the copy stream as that two-stage pipeline: the slower stage (a piece's copy behind a
-fast decoder; its decode behind a slow one, the copies then waiting for staging slots) once per piece,
-the other once. That is when the unit is ready; slightly pessimistic for how soon the next unit's copy
-starts (it overlaps the last decode). A unit is held compressed only where
-its coded load is faster than its raw copy on this link (decided at offload(),
-coded_packs.compress_packs); compute is unchanged. The planner counts the two staging slots, each the
-largest compressed piece (``staging_nbytes``), in the peak: a few tens of MB whatever the unit's size.
+coded load on the copy stream as that two-stage pipeline: the slower stage (a piece's copy behind a fast
+decoder; its decode behind a slow one, the copies then waiting for staging slots) once per piece, the
+other once. That is when the unit is ready; slightly pessimistic for how soon the next unit's copy starts
+(it overlaps the last decode). A unit is held compressed only where its coded load is faster than its raw
+copy on this link (decided at offload(), coded_packs.compress_packs); compute is unchanged. The planner
+counts the two staging slots, each the largest compressed piece (``staging_nbytes``), in the peak: a few
+tens of MB whatever the unit's size.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Measurements:
 
     def coded_load_s(self, unit: UnitMeasurement, link: LinkModel | None = None) -> float | None:
         """How long ``unit``'s coded load holds the copy stream: its compressed pieces over the link (or
-        ``link``: the staged copies' speed), then the last one's decode (see [Note: coded loads]); None
+        ``link``: the staged copies' speed) and their decodes, pipelined (see [Note: coded loads]); None
         when it is not held compressed."""
         if unit.coded_nbytes is None or not self.decode_bps:
             return None
