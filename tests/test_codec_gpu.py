@@ -205,3 +205,29 @@ def test_a_cuda_graph_of_a_compressed_model_replays_bit_for_bit(
             assert torch.equal(out, want)
             assert torch.equal(model(static).logits, want)  # an eager forward between replays
     assert any(u.coded_nbytes is not None for u in flextensor.report(model).units)
+
+
+def test_packs_held_uncompressed_again_are_decoded_on_the_gpu_bit_for_bit(
+    compressed_medium_llama: torch.nn.Module,
+) -> None:
+    """A plan without coded loads (a budget with no room for the staging slots) holds the packs raw
+    again, decoded through the device piece by piece: each the bytes the host's reference decoder gives,
+    and the model streams them bit for bit."""
+    import flextensor
+    from flextensor.api import engine_of
+    from flextensor.coded_packs import CodedPack, hold_uncompressed
+
+    model = compressed_medium_llama
+    engine = engine_of(model)
+    want = {u.name: u.pack.buffer for u in engine.units.values() if isinstance(u.pack, CodedPack)}
+    assert want
+    hold_uncompressed(engine.store)
+    for name, raw in want.items():
+        pack = engine.units[name].pack
+        assert not isinstance(pack, CodedPack) and torch.equal(pack.buffer, raw), name
+    inputs = tokens(16)
+    logits = device_logits(inputs)
+    with torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(model(inputs).logits, logits)
+    assert flextensor.phase(model) == "inference"

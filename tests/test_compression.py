@@ -174,6 +174,50 @@ def test_a_profile_saved_with_compression_starts_the_next_run_compressed(
     assert engine_of(again).current.plan.coded  # type: ignore[union-attr]
 
 
+def test_a_budget_without_room_for_the_staging_slots_streams_uncompressed(
+    fast_decoder: None, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tightest budget without compression has no room for the two staging slots: the plan copies
+    every unit as it is, the packs are held uncompressed again (warned), outputs stay bit for bit, and a
+    run started from the saved profile holds its packs uncompressed too (see [Note: compression yields
+    to the budget])."""
+    reference = bf16_llama()
+    inputs = llama_inputs()
+    model = bf16_llama()
+    config = streaming_config(model, ["model.layers.*"], compression="lossless")
+    with caplog.at_level("WARNING", logger="flextensor"):
+        model = flextensor.offload(model, config)
+        assert all(isinstance(u.pack, CodedPack) for u in engine_of(model).units.values())  # until the plan
+        streams_bit_for_bit(model, reference)
+    assert "compression='lossless' is not used" in caplog.text and "more gpu_memory_budget" in caplog.text
+    engine = engine_of(model)
+    plan = engine.current.plan  # type: ignore[union-attr]
+    assert plan.streamed and not plan.coded
+    assert not any(isinstance(u.pack, CodedPack) for u in engine.units.values())
+    assert engine.store.coded_loads is None and engine.policy.decode_bps is None
+    assert engine.current.measurements.decode_bps is None  # type: ignore[union-attr]
+    assert flextensor.report(model).decode_gbps is None
+    path = tmp_path / "raw.ftprofile.json"
+    flextensor.save_profile(model, path)
+    flextensor.release(model)
+
+    again = bf16_llama()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="flextensor"):
+        again = flextensor.offload(
+            again, streaming_config(again, ["model.layers.*"], compression="lossless", profile=path)
+        )
+    assert "the packs stay uncompressed" in caplog.text  # not encoded only to be decoded again
+    assert "held uncompressed again" not in caplog.text
+    assert flextensor.phase(again) == "inference"
+    engine = engine_of(again)
+    assert not any(isinstance(u.pack, CodedPack) for u in engine.units.values())
+    assert not engine.current.plan.coded  # type: ignore[union-attr]
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(again(inputs).logits, reference(inputs).logits)
+
+
 def test_compressed_streaming_under_torch_compile_is_bit_for_bit(fast_decoder: None) -> None:
     """Whole-model compile: the unit ops load (copy and decode) like the eager hooks."""
     reference = bf16_llama(layers=2)
@@ -364,12 +408,10 @@ def test_a_pack_in_pieces_streams_bit_for_bit_through_slots_of_one_piece(
     assert all(torch.equal(state[name], value) for name, value in reference.state_dict().items())
 
 
-def test_a_load_in_pieces_reuses_its_views_across_forwards(
-    fast_decoder: None, small_pieces: None
-) -> None:
+def test_a_load_in_pieces_reuses_its_views_across_forwards(fast_decoder: None, small_pieces: None) -> None:
     """The views a coded load works with (per piece: source, staging slots, destination) are made at a
     unit's first load and reused by every forward after: no per-piece tensor slicing in steady state."""
-    model = compressed(bf16_llama(layers=3))
+    model = compressed(bf16_llama())  # 4 layers: the budget cannot keep them all
     inputs = llama_inputs()
     steady(model, inputs, forwards=5)
     loads = engine_of(model).store.coded_loads

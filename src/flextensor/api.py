@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from .host_budget import HostBudget, host_budget_target, probe_links
 from .packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
 from .selection import select
 from .status import OffloadStatus
+
+if TYPE_CHECKING:
+    from .profile_file import Profile
 
 logger = logging.getLogger("flextensor")
 
@@ -119,16 +123,21 @@ def offload(
         packing.on_undo(lambda: unmark_offloaded(model))
         packing.on_undo(lambda: model.__dict__.pop(_ENGINE_ATTR, None))
         engine.start()
+        profile = None
+        if config.profile is not None:
+            from .profile_reuse import read_profile
+
+            profile = read_profile(config.profile)
         arena = engine.store.arena
         if arena is not None and units:
             engine.link, engine.policy.host = probe_links(engine.store, arena)
             engine.store.forget_contents()  # the probe wrote over the arena
             if config.compression == "lossless":
-                compress(engine, arena)
-        if config.profile is not None:
-            from .profile_reuse import start_from_profile
+                compress(engine, arena, profile, str(config.profile))
+        if profile is not None:
+            from .profile_reuse import start_from_loaded_profile
 
-            start_from_profile(engine, config.profile)
+            start_from_loaded_profile(engine, profile, str(config.profile))
         setattr(model, _ENGINE_ATTR, engine)
         mark_offloaded(model)
         packing.commit()
@@ -142,11 +151,19 @@ def offload(
     return wrapper
 
 
-def compress(engine: OffloadEngine, arena: torch.Tensor) -> None:
+def compress(engine: OffloadEngine, arena: torch.Tensor, profile: Profile | None, source: str) -> None:
     """Hold compressed the packs whose loads that speeds up, and tell the planner (see [Note: coded
-    packs] in coded_packs.py)."""
+    packs] in coded_packs.py); not when the run adopts a ``profile`` whose plan copies them as they are."""
     from .coded_packs import coded_sizes, compress_packs
+    from .profile_reuse import streams_uncompressed
 
+    if profile is not None and streams_uncompressed(engine, profile, source):
+        logger.info(
+            "compression='lossless': the plan of profile %s copies every streamed unit as it is; the packs "
+            "stay uncompressed",
+            source,
+        )
+        return
     assert engine.link is not None
     store = engine.store
     decode_bps = compress_packs(store, engine.link, arena)

@@ -6,7 +6,7 @@ beats its raw copy (see [Note: coded loads] in measurements.py) gets its pack en
 pack freed: host memory then holds the compressed bytes, pinned like any pack. The pack's bytes are
 encoded as the unit's 16-bit dtype (bfloat16 or float16, whichever holds most of them): every bit
 pattern round-trips, so parameters of other dtypes and the alignment padding pass through intact, just
-less compressed. They are encoded in pieces of ``CODED_PIECE_BYTES`` (16 MiB of weights), each its own
+less compressed. They are encoded in pieces of ``CODED_PIECE_BYTES`` (64 MiB of weights), each its own
 ``[stream | chunk offsets (int64) | chunk widths]`` (:class:`CodedPiece`): one copy moves everything a
 piece's decode reads, and the staging slots hold a piece, not a unit.
 
@@ -67,6 +67,7 @@ __all__ = [
     "coded_load_pays",
     "coded_sizes",
     "compress_packs",
+    "hold_uncompressed",
     "probe_decode",
 ]
 
@@ -445,6 +446,44 @@ def swap_in(store: DeviceStore, unit: Unit, pack: CodedPack) -> None:
     if old is not None:
         old.free()
     store.host.admit(unit, store.units)
+
+
+def hold_uncompressed(store: DeviceStore) -> None:
+    """Give every compressed pack its raw bytes back, for a plan that copies them as they are (see [Note:
+    compression yields to the budget] in plan_policy.py). Plan time only: waits for the device, whose
+    copies may still read the packs. Decodes on the device when there is one, piece by piece (a piece's
+    bytes and output on the device for a moment), on the host otherwise."""
+    runtime = store.runtime
+    runtime.synchronize()
+    store.drop_coded_loads()
+    store.recode = None
+    for unit in store.units:
+        pack = unit.pack
+        if not isinstance(pack, CodedPack):
+            continue
+        raw = UnitPack(unit.name, unit.entries, pack.nbytes, False)  # the host budget pins it
+        try:
+            if runtime.is_cuda:
+                _decode_on_device(pack, raw.buffer, runtime.device)
+            else:
+                pack.decode_into(pack.copy_source, raw.buffer)
+        except BaseException:
+            raw.free()
+            raise
+        unit.pack, unit.staging = raw, None
+        pack.free()
+        store.host.admit(unit, store.units)
+    logger.info("compressed packs held uncompressed again: every unit is copied as it is")
+
+
+def _decode_on_device(pack: CodedPack, out: torch.Tensor, device: torch.device) -> None:
+    """Decode ``pack`` into ``out`` (host memory) through ``device``, one piece at a time."""
+    source = pack.copy_source
+    for piece in pack.pieces:
+        data = source[piece.start : piece.start + piece.nbytes].to(device)
+        decoded = torch.empty(piece.raw_nbytes, dtype=torch.uint8, device=device)
+        decode(piece.encoded(data, pack.dtype, pack.chunk_elements), out=decoded.view(pack.dtype))
+        out[piece.raw_start : piece.raw_start + piece.raw_nbytes].copy_(decoded)  # waits for the decode
 
 
 def recode(unit: Unit, encode_on: torch.device | None) -> None:

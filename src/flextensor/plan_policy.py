@@ -12,6 +12,15 @@ that never stream, resident units, the arena). The plans then count the model's 
 outside the units' storage (read at each plan: a weight kept resident since counts) instead of everything
 allocated at a step's start (which would count the KV cache), and no activations (the engine accounts
 for them); a profile saves its measurements counted so. See :meth:`PlanPolicy.count_weights_only`.
+
+[Note: compression yields to the budget]
+Coded loads need two staging slots on the device (see [Note: coded loads] in measurements.py). Under a
+budget that fits the smallest plan without them but not with them (a compute-bound model whose budget
+was sized to its raw plan: wan20 at 5.7 GB), refusing would make ``compression="lossless"`` break a
+model that runs without it. The plan is then made without coded loads, with a warning that says how
+much more budget compression needs, and the engine holds the packs uncompressed again
+(``coded_packs.hold_uncompressed``) before laying it out. A profile saved from that plan says so (its
+plan streams no unit compressed), and a run started from it holds its packs uncompressed too.
 """
 
 from __future__ import annotations
@@ -23,16 +32,25 @@ from dataclasses import dataclass, replace
 import torch
 
 from .device import DeviceRuntime
+from .errors import BudgetError
 from .layout import minimal_arena_bytes
 from .measurements import Measurements
 from .plan import Plan
 from .planner import minimal_need_bytes, plan_offload, residents_within
+from .sizes import format_bytes
 from .staged_units import HostPlan
 from .units import Unit
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["FAILED_LAYOUT_SHRINK", "NO_BUDGET_DEVICE_FRACTION", "PlanEntry", "PlanPolicy", "input_signature"]
+__all__ = [
+    "FAILED_LAYOUT_SHRINK",
+    "NO_BUDGET_DEVICE_FRACTION",
+    "PlanEntry",
+    "PlanPolicy",
+    "input_signature",
+    "without_coding",
+]
 
 NO_BUDGET_DEVICE_FRACTION = 0.92
 """Without a budget the plan still has to fit the device: this share of its memory, leaving room for the
@@ -99,6 +117,10 @@ class PlanPolicy:
             return measurements
         return replace(measurements, baseline_bytes=self.fixed_weight_bytes(), activation_peak_bytes=0)
 
+    def stop_coding(self) -> None:
+        """The packs are held uncompressed again (see [Note: compression yields to the budget])."""
+        self.decode_bps, self.coded_sizes = None, None
+
     def memory_limit(self) -> int | None:
         """What a plan must fit: the budget, or without one the device's share (None when the device's
         size is unknown, as on a CPU)."""
@@ -111,8 +133,29 @@ class PlanPolicy:
 
     def make_plan(self, measurements: Measurements) -> Plan:
         """The plan for ``measurements``: under the budget; without one, within the device's share; and
-        below the peak of a plan whose layout ran out of memory."""
+        below the peak of a plan whose layout ran out of memory. A plan with coded loads that does not fit
+        gives way to one without (see [Note: compression yields to the budget]): its ``coded`` is empty."""
         measurements = self.planned(measurements)
+        try:
+            return self._make_plan(measurements)
+        except BudgetError:
+            if not measurements.decode_bps:
+                raise
+            raw = without_coding(measurements)
+            plan = self._make_plan(raw)  # raises that plan's own BudgetError when it does not fit either
+            need = minimal_need_bytes(measurements)[0]
+            staging = need - minimal_need_bytes(raw)[0]
+            short = staging if self.budget_bytes is None else max(need - self.budget_bytes, 1)
+            logger.warning(
+                "compression='lossless' is not used: the memory limit has no room for the %s its two "
+                "staging slots take, so the packs are held uncompressed and copied as they are (%s more "
+                "gpu_memory_budget streams them compressed)",
+                format_bytes(staging),
+                format_bytes(short),
+            )
+            return plan
+
+    def _make_plan(self, measurements: Measurements) -> Plan:
         if self.link_bound:
             units = tuple(replace(u, compute_s=0.0, gap_before_s=0.0) for u in measurements.units)
             measurements = replace(measurements, units=units, tail_s=0.0)
@@ -175,6 +218,12 @@ class PlanPolicy:
                 len(resident),
             )
         return kept
+
+
+def without_coding(measurements: Measurements) -> Measurements:
+    """``measurements`` as if no pack were held compressed."""
+    units = tuple(replace(u, coded_nbytes=None, coded_piece_nbytes=None) for u in measurements.units)
+    return replace(measurements, units=units, decode_bps=None)
 
 
 def _bucket(n: int) -> int:

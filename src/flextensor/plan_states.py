@@ -18,7 +18,7 @@ from .layout import provisional_arena_bytes
 from .learning import Learning, Phase
 from .measurements import LinkModel, Measurements
 from .plan import Plan
-from .plan_policy import PlanEntry, PlanPolicy
+from .plan_policy import PlanEntry, PlanPolicy, without_coding
 
 if TYPE_CHECKING:
     from .cuda_graphs import GraphCaptures
@@ -108,6 +108,9 @@ class PlanStates:
         measurements = self.policy.planned(measurements)  # as plans count them (what a profile saves)
         if plan is None:
             plan = self.policy.make_plan(measurements)
+        if self.policy.decode_bps is not None and not plan.coded and self._streams_coded_packs(plan):
+            # A plan without coded loads (see [Note: compression yields to the budget]).
+            measurements = self._hold_uncompressed(measurements)
         self.order = [self.units[u.name] for u in measurements.units]
         entry = PlanEntry(measurements, plan)
         try:
@@ -121,6 +124,20 @@ class PlanStates:
         # A recording made under an earlier plan for these inputs is dropped: the next step records.
         self.recordings.pop(self.signature, None)
         logger.info("plan: %s", plan.summary())
+
+    def _streams_coded_packs(self, plan: Plan) -> bool:
+        return any(
+            (pack := self.units[name].pack) is not None and pack.coded for name in plan.streamed
+        )
+
+    def _hold_uncompressed(self, measurements: Measurements) -> Measurements:
+        """Give every compressed pack its raw bytes back and plan without coded loads from now on;
+        ``measurements`` as such plans count them."""
+        from .coded_packs import hold_uncompressed
+
+        hold_uncompressed(self.store)
+        self.policy.stop_coding()
+        return without_coding(measurements)
 
     def _apply(self, entry: PlanEntry) -> None:
         """Lay out ``entry``'s plan, remember it, and enter steady state; a failure leaves no layout."""

@@ -31,10 +31,18 @@ from .selection import parameter_signatures
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
+    from .plan import Plan
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["engine_fingerprint", "snapshot_profile", "start_from_loaded_profile", "start_from_profile"]
+__all__ = [
+    "engine_fingerprint",
+    "read_profile",
+    "snapshot_profile",
+    "start_from_loaded_profile",
+    "start_from_profile",
+    "streams_uncompressed",
+]
 
 
 def engine_fingerprint(engine: OffloadEngine, input_shapes: tuple[str, ...]) -> Fingerprint:
@@ -90,13 +98,36 @@ def start_from_profile(engine: OffloadEngine, path: str | os.PathLike[str]) -> N
     measurements (with this machine's link) and warns. Inputs of other shapes re-profile at the first
     forward that has them, as they would in any steady state.
     """
+    start_from_loaded_profile(engine, read_profile(path), os.fspath(path))
+
+
+def read_profile(path: str | os.PathLike[str]) -> Profile:
+    """The profile at ``path``; ProfileError, saying how to make one, when there is none."""
     source = os.fspath(path)
     if not os.path.exists(source):
         raise ProfileError(
             f"profile {source} does not exist; run without profile= once and save one with "
             "flextensor.save_profile(model, path)"
         )
-    start_from_loaded_profile(engine, load_profile_file(source), source)
+    return load_profile_file(source)
+
+
+def streams_uncompressed(engine: OffloadEngine, profile: Profile, source: str) -> bool:
+    """Whether a run started from ``profile`` adopts its saved plan, and that plan copies every streamed
+    unit as it is (made without compression, or under a budget with no room for its staging slots):
+    compressing the packs at offload() would then be undone at once. Another model raises ProfileError."""
+    compatibility = check_compatibility(
+        profile.fingerprint, engine_fingerprint(engine, profile.fingerprint.input_shapes), source=source
+    )
+    plan = profile.plan
+    kept = compatibility is not Compatibility.REPLAN and _keeps_budget(engine, plan)
+    return kept and bool(plan.streamed) and not plan.coded
+
+
+def _keeps_budget(engine: OffloadEngine, plan: Plan) -> bool:
+    """Whether ``plan`` was made for this engine's budget. Without a budget, a plan capped at the device's
+    share is this engine's own, not another budget's."""
+    return plan.budget_bytes in (engine.policy.budget_bytes, engine.policy.memory_limit())
 
 
 def start_from_loaded_profile(engine: OffloadEngine, profile: Profile, source: str) -> None:
@@ -119,10 +150,7 @@ def start_from_loaded_profile(engine: OffloadEngine, profile: Profile, source: s
         if engine.link is not None:
             measurements = dataclasses.replace(measurements, link=engine.link)
         plan = None  # the engine plans as a fresh run would (budget, device ceiling)
-    elif (
-        plan.budget_bytes != engine.policy.budget_bytes and plan.budget_bytes != engine.policy.memory_limit()
-    ):
-        # Without a budget, a plan capped at the device's share is this engine's own, not another budget's.
+    elif not _keeps_budget(engine, plan):
         logger.info("profile %s was planned for another budget; re-planning", source)
         plan = None
     engine.adopt_profile(list(profile.order), measurements, plan)

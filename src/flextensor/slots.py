@@ -299,10 +299,11 @@ class DeviceStore:
         self.arena = None
         self.reserved = None  # the new layout takes its place
         self.owner = []
-        self._drop_coded_loads()
+        self.drop_coded_loads()
         return kept
 
-    def _drop_coded_loads(self) -> None:
+    def drop_coded_loads(self) -> None:
+        """Free the staging slots of coded loads (a new layout, release, packs held uncompressed again)."""
         self.coded_loads = None
         for unit in self.units:
             if unit.pack is not None and unit.pack.coded:
@@ -464,7 +465,7 @@ class DeviceStore:
         """Let go of the arena, every storage and every pack (after the parameters got their own copies)."""
         self.host.free()  # first: the disk readers still read into the packs' files
         # The coded loads' views hold the arena, the slots and every coded pack; packs point back at them.
-        self._drop_coded_loads()
+        self.drop_coded_loads()
         for unit in self.units:
             unit.storage = None
             unit.cells = ()
