@@ -12,7 +12,7 @@ import torch
 import flextensor
 from flextensor.api import engine_of
 from flextensor.coded_packs import CodedPack
-from flextensor.errors import ConfigError, UnsupportedOperationError
+from flextensor.errors import CodecError, ConfigError, UnsupportedOperationError
 from flextensor.layout import UNIT_ALIGNMENT
 from flextensor.sizes import align_up
 from real_models import llama_inputs, tiny_llama
@@ -483,3 +483,37 @@ def test_release_frees_the_coded_loads_at_once(fast_decoder: None) -> None:
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_decode_that_fails_half_way_orders_later_copies_after_the_decodes_issued(
+    fast_decoder: None, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode raising after some pieces of a load were issued leaves the unit's range unowned: the copy
+    stream is ordered after the decodes issued so far (a copy into that range could otherwise be
+    overwritten by one), the error reaches the caller, and the next forwards are bit for bit."""
+    from flextensor import coded_packs
+
+    reference = bf16_llama()
+    model = compressed(bf16_llama())
+    inputs = llama_inputs()
+    steady(model, inputs)
+    real_decode, calls, fences = coded_packs.decode, [0], []
+
+    def failing_decode(encoded: object, out: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 2:  # the second piece of the forward's first coded load
+            raise CodecError("a corrupt piece")
+        return real_decode(encoded, out=out)
+
+    real_fence = coded_packs.CodedLoads.fence
+    monkeypatch.setattr(coded_packs, "decode", failing_decode)
+    monkeypatch.setattr(
+        coded_packs.CodedLoads,
+        "fence",
+        lambda self, stream: (fences.append(stream), real_fence(self, stream)),
+    )
+    with torch.no_grad(), pytest.raises(CodecError, match="corrupt piece"):
+        model(inputs)
+    assert fences  # the copy stream waited for the decodes issued before the failure
+    monkeypatch.setattr(coded_packs, "decode", real_decode)
+    streams_bit_for_bit(model, reference, forwards=3)

@@ -290,22 +290,29 @@ class CodedLoads:
         if prepared is None or not prepared.serves(unit):
             prepared = self._prepared[id(unit)] = PreparedLoad.of(unit, self.slots)
         decode_stream, runtime, ring = self.decode_stream, self.runtime, unit.staging
-        for source, staged, out in prepared.pieces:
-            index, self.next = self.next, (self.next + 1) % self.SLOTS
-            self._wait(copy_stream, self.freed[index])
-            slot, encoded = staged[index]
-            if ring is None:
-                slot.copy_(source, non_blocking=True)
-            else:  # a pageable pack under the host budget (see [Note: staging ring] in staging.py)
-                ring.copy_from_host(slot, source, copy_stream)
-            self._record(self.copied[index], copy_stream)
-            decode_stream.wait_event(self.copied[index])
-            runtime.set_stream(decode_stream)
-            try:
-                decode(encoded, out=out)
-                self._record(self.freed[index], decode_stream)
-            finally:
-                runtime.set_stream(copy_stream)
+        try:
+            for source, staged, out in prepared.pieces:
+                index, self.next = self.next, (self.next + 1) % self.SLOTS
+                self._wait(copy_stream, self.freed[index])
+                slot, encoded = staged[index]
+                if ring is None:
+                    slot.copy_(source, non_blocking=True)
+                else:  # a pageable pack under the host budget (see [Note: staging ring] in staging.py)
+                    ring.copy_from_host(slot, source, copy_stream)
+                self._record(self.copied[index], copy_stream)
+                decode_stream.wait_event(self.copied[index])
+                runtime.set_stream(decode_stream)
+                try:
+                    decode(encoded, out=out)
+                    self._record(self.freed[index], decode_stream)
+                finally:
+                    runtime.set_stream(copy_stream)
+        except BaseException:
+            # The range's cells stay unowned, so no later load waits for this unit's decode: order the
+            # copy stream after the decodes issued so far, or a copy there could be overwritten by one.
+            self._record(self.last_decode, decode_stream)
+            self.fence(copy_stream)
+            raise
         self._record(unit.copy_done, decode_stream)
         self._record(self.last_decode, decode_stream)
 
