@@ -5,7 +5,9 @@
 
 Prints, on the weights of benchmarks/codec_sizes.py (N(0, 1) / sqrt(fan_in), bf16):
 
-1. encode speed on the GPU (``codec.encode(..., device="cuda")``) and on the host's CPU cores;
+1. encode speed on the GPU (``codec.encode(..., device="cuda")``) and on the host's CPU cores, then where
+   the time of one unit's ``CodedPack.encode`` goes (what ``offload()`` runs per unit): its top operators
+   by host time and by device time (torch.profiler), to tell GPU kernels from host copies;
 2. that the Triton decoder restores every bit, then its throughput in GB/s of output for each chunk size
    and ``num_warps`` (CUDA events, median of repeats);
 3. decode running on a side stream while bf16 matmuls run on another: each alone, then both together;
@@ -74,6 +76,33 @@ def encode_speed(weights: list[torch.Tensor]) -> list[codec.EncodedTensor]:
     print(f"encode on the GPU: {raw / gpu_s / 1e9:.2f} GB/s (input, results copied to the host)")
     print(f"encode on the CPU ({torch.get_num_threads()} threads): {host_copy.nbytes / cpu_s / 1e9:.3f} GB/s")
     return encoded
+
+
+def encode_breakdown(weights: list[torch.Tensor]) -> None:
+    """One unit's pack (the layer's weights packed back to back, pinned) encoded as offload() does, timed
+    whole and profiled by operator."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from flextensor.coded_packs import CodedPack
+    from flextensor.host_store import pack_layout
+
+    entries, nbytes = pack_layout([(f"w{i}", w) for i, w in enumerate(weights)])
+    buffer = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    for entry, weight in zip(entries, weights, strict=True):
+        buffer[entry.offset : entry.offset + entry.nbytes].copy_(weight.reshape(-1).view(torch.uint8))
+    device = torch.device("cuda")
+    CodedPack.encode("warm-up", entries, buffer, device).free()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    CodedPack.encode("unit", entries, buffer, device).free()
+    whole_s = time.perf_counter() - start
+    rate = nbytes / whole_s / 1e9
+    print(f"CodedPack.encode of one {nbytes / 1e6:.0f} MB unit: {whole_s:.3f} s ({rate:.2f} GB/s)")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        CodedPack.encode("unit", entries, buffer, device).free()
+    table = trace.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+    print(table.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=40))
 
 
 def decode_sweep(weights: list[torch.Tensor]) -> tuple[list[codec.EncodedTensor], int]:
@@ -191,6 +220,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     weights = make_weights(args.quick)
     encode_speed(weights)
+    encode_breakdown(weights)
     encoded, warps = decode_sweep(weights)
     concurrent_with_compute(weights, encoded, warps)
     behind_the_link(weights, encoded, warps)
