@@ -231,3 +231,37 @@ def test_packs_held_uncompressed_again_are_decoded_on_the_gpu_bit_for_bit(
         for _ in range(5):
             assert torch.equal(model(inputs).logits, logits)
     assert flextensor.phase(model) == "inference"
+
+
+def test_a_budget_without_room_for_the_staging_slots_streams_uncompressed_on_cuda(
+    compressed_medium_llama: torch.nn.Module,
+) -> None:
+    """The engine's own way there: steady with coded loads, then a budget that fits the smallest plan
+    without staging slots but not with them (about 42 MB here), and inputs of another shape: their plan
+    gives compression up, every pack is decoded back through the GPU, the plan made before is made again
+    without coded loads, and both inputs stay bit for bit."""
+    import flextensor
+    from flextensor.api import engine_of
+    from flextensor.coded_packs import CodedPack
+    from flextensor.plan_policy import without_coding
+    from flextensor.planner import minimal_need_bytes
+
+    model = compressed_medium_llama
+    long, short = tokens(32), tokens(16)
+    want_long, want_short = device_logits(long), device_logits(short)
+    with torch.no_grad():
+        while flextensor.phase(model) != "inference":
+            model(long)
+        assert torch.equal(model(long).logits, want_long)
+    engine = engine_of(model)
+    assert engine.current.plan.coded  # type: ignore[union-attr]
+    planned = engine.policy.planned(engine.current.measurements)  # type: ignore[union-attr]
+    raw_need = minimal_need_bytes(without_coding(planned))[0]
+    assert minimal_need_bytes(planned)[0] > raw_need + 16 * 2**20
+    engine.policy.budget_bytes = raw_need + 4 * 2**20  # room for small tensors allocated since
+    with torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(model(short).logits, want_short)
+        assert torch.equal(model(long).logits, want_long)
+    assert not any(isinstance(u.pack, CodedPack) for u in engine.units.values())
+    assert all(not entry.plan.coded for entry in engine.plans.values())

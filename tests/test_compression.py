@@ -517,3 +517,84 @@ def test_a_decode_that_fails_half_way_orders_later_copies_after_the_decodes_issu
     assert fences  # the copy stream waited for the decodes issued before the failure
     monkeypatch.setattr(coded_packs, "decode", real_decode)
     streams_bit_for_bit(model, reference, forwards=3)
+
+
+def test_packs_held_uncompressed_half_way_when_a_decode_fails_still_serve_every_forward(
+    fast_decoder: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Giving the packs their raw bytes back fails on the second unit (out of memory, say): that forward
+    raises, the first unit is raw and the others still compressed, and the next forwards profile again,
+    finish the job and run bit for bit."""
+    reference = bf16_llama()
+    model = bf16_llama()
+    model = flextensor.offload(model, streaming_config(model, ["model.layers.*"], compression="lossless"))
+    real, calls = CodedPack.decode_into, [0]
+
+    def failing_once(self: CodedPack, data: torch.Tensor, out: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError("no room for a decode")
+        real(self, data, out)
+
+    inputs = llama_inputs()
+    with torch.no_grad():
+        model(inputs)  # discovery
+        monkeypatch.setattr(CodedPack, "decode_into", failing_once)
+        with pytest.raises(MemoryError):
+            while flextensor.phase(model) != "inference":  # the plan is made at the end of profiling
+                model(inputs)
+    engine = engine_of(model)
+    assert [isinstance(u.pack, CodedPack) for u in engine.units.values()] == [False, True, True, True]
+    streams_bit_for_bit(model, reference)
+    assert not any(isinstance(u.pack, CodedPack) for u in engine.units.values())
+    assert not engine.current.plan.coded  # type: ignore[union-attr]
+
+
+def test_plans_made_for_coded_loads_are_made_again_when_the_packs_are_held_uncompressed(
+    fast_decoder: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Inputs planned with coded loads, then inputs whose plan has no room for the staging slots: every
+    pack is held uncompressed, for every input (a pack is held one way), and the plan of the first inputs
+    is made again without coded loads; their outputs stay bit for bit."""
+    reference = bf16_llama()
+    tighter = streaming_config(reference, ["model.layers.*"]).gpu_memory_budget
+    model = compressed(bf16_llama())
+    short, long = llama_inputs(), torch.cat([llama_inputs()] * 2, dim=1)
+    steady(model, short)
+    engine = engine_of(model)
+    assert engine.current.plan.coded  # type: ignore[union-attr]
+    engine.policy.budget_bytes = tighter  # no room for the staging slots
+    with caplog.at_level("WARNING", logger="flextensor"), torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(model(long).logits, reference(long).logits)
+    assert "for every input from now on" in caplog.text
+    assert not any(isinstance(u.pack, CodedPack) for u in engine.units.values())
+    assert engine.plans and all(not entry.plan.coded for entry in engine.plans.values())
+    assert all(entry.measurements.decode_bps is None for entry in engine.plans.values())
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(short).logits, reference(short).logits)
+    assert not engine.current.plan.coded and flextensor.report(model).decode_gbps is None  # type: ignore[union-attr]
+
+
+def test_a_profile_made_with_compression_loaded_without_it_plans_raw(
+    fast_decoder: None, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Compression off: a profile whose plan loads units compressed is planned again, without coded loads
+    and without a word about compression."""
+    reference = bf16_llama()
+    budget = compressed_config(reference).gpu_memory_budget
+    model = compressed(bf16_llama())
+    steady(model, llama_inputs())
+    path = tmp_path / "coded.ftprofile.json"
+    flextensor.save_profile(model, path)
+    flextensor.release(model)
+    again = bf16_llama()
+    config = streaming_config(again, ["model.layers.*"], profile=path)
+    with caplog.at_level("INFO", logger="flextensor"):
+        again = flextensor.offload(again, config.model_copy(update={"gpu_memory_budget": budget}))
+        streams_bit_for_bit(again, reference)
+    assert "compression" not in caplog.text.replace("compressed loads, now off", "")
+    engine = engine_of(again)
+    assert not engine.current.plan.coded  # type: ignore[union-attr]
+    assert engine.current.measurements.decode_bps is None  # type: ignore[union-attr]

@@ -158,9 +158,10 @@ def compress(engine: OffloadEngine, arena: torch.Tensor, profile: Profile | None
     from .profile_reuse import streams_uncompressed
 
     if profile is not None and streams_uncompressed(engine, profile, source):
-        logger.info(
-            "compression='lossless': the plan of profile %s copies every streamed unit as it is; the packs "
-            "stay uncompressed",
+        logger.warning(
+            "compression='lossless' is not used: the plan of profile %s copies every streamed unit as it is "
+            "(made without compression, or under a budget with no room for its staging slots), so the packs "
+            "stay uncompressed; offload without profile= to plan with compression",
             source,
         )
         return

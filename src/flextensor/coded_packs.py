@@ -456,14 +456,14 @@ def swap_in(store: DeviceStore, unit: Unit, pack: CodedPack) -> None:
 
 
 def hold_uncompressed(store: DeviceStore) -> None:
-    """Give every compressed pack its raw bytes back, for a plan that copies them as they are (see [Note:
+    """Give every compressed pack its raw bytes back, for plans that copy them as they are (see [Note:
     compression yields to the budget] in plan_policy.py). Plan time only: waits for the device, whose
-    copies may still read the packs. Decodes on the device when there is one, piece by piece (a piece's
-    bytes and output on the device for a moment), on the host otherwise."""
+    copies may still read the packs. Decodes through the device when there is one, a piece at a time (its
+    bytes and output there for a moment: call it with the layout given back), on the host otherwise.
+    Unit by unit, so host memory holds one unit's two forms at most: a failure (out of memory) leaves the
+    units before it raw and the others compressed, a state the next layout serves as it is."""
     runtime = store.runtime
     runtime.synchronize()
-    store.drop_coded_loads()
-    store.recode = None
     for unit in store.units:
         pack = unit.pack
         if not isinstance(pack, CodedPack):
@@ -480,6 +480,7 @@ def hold_uncompressed(store: DeviceStore) -> None:
         unit.pack, unit.staging = raw, None
         pack.free()
         store.host.admit(unit, store.units)
+    store.drop_coded_loads()  # their staging slots serve no pack now
     logger.info("compressed packs held uncompressed again: every unit is copied as it is")
 
 

@@ -19,8 +19,11 @@ budget that fits the smallest plan without them but not with them (a compute-bou
 was sized to its raw plan: wan20 at 5.7 GB), refusing would make ``compression="lossless"`` break a
 model that runs without it. The plan is then made without coded loads, with a warning that says how
 much more budget compression needs, and the engine holds the packs uncompressed again
-(``coded_packs.hold_uncompressed``) before laying it out. A profile saved from that plan says so (its
-plan streams no unit compressed), and a run started from it holds its packs uncompressed too.
+(``coded_packs.hold_uncompressed``) before laying it out. That is for every input from then on: a pack
+is held one way, and plans already made for other inputs are made again without coded loads (a long
+prefill whose activations leave no room gives compression up for the decode steps too; the warning says
+by how much the budget falls short). A profile saved from such a plan says so (its plan streams no unit
+compressed), and a run started from it holds its packs uncompressed from the start.
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ class PlanPolicy:
                 for u in measurements.units
             )
             measurements = replace(measurements, units=units, decode_bps=self.decode_bps)
+        elif measurements.decode_bps is not None:  # a profile made with compression, which is off now
+            measurements = without_coding(measurements)
         if self.fixed_weight_bytes is None:
             return measurements
         return replace(measurements, baseline_bytes=self.fixed_weight_bytes(), activation_peak_bytes=0)
@@ -139,19 +144,22 @@ class PlanPolicy:
         try:
             return self._make_plan(measurements)
         except BudgetError:
-            if not measurements.decode_bps:
+            if self.decode_bps is None or not measurements.decode_bps:
                 raise
             raw = without_coding(measurements)
             plan = self._make_plan(raw)  # raises that plan's own BudgetError when it does not fit either
             need = minimal_need_bytes(measurements)[0]
             staging = need - minimal_need_bytes(raw)[0]
-            short = staging if self.budget_bytes is None else max(need - self.budget_bytes, 1)
+            if self.budget_bytes is None:
+                more = f"{format_bytes(staging)} more free device memory"
+            else:
+                more = f"{format_bytes(max(need - self.budget_bytes, 1))} more gpu_memory_budget"
             logger.warning(
                 "compression='lossless' is not used: the memory limit has no room for the %s its two "
-                "staging slots take, so the packs are held uncompressed and copied as they are (%s more "
-                "gpu_memory_budget streams them compressed)",
+                "staging slots take at these inputs, so the packs are held uncompressed and copied as they "
+                "are, for every input from now on (%s streams them compressed)",
                 format_bytes(staging),
-                format_bytes(short),
+                more,
             )
             return plan
 

@@ -108,13 +108,12 @@ class PlanStates:
         measurements = self.policy.planned(measurements)  # as plans count them (what a profile saves)
         if plan is None:
             plan = self.policy.make_plan(measurements)
-        if self.policy.decode_bps is not None and not plan.coded and self._streams_coded_packs(plan):
-            # A plan without coded loads (see [Note: compression yields to the budget]).
-            measurements = self._hold_uncompressed(measurements)
         self.order = [self.units[u.name] for u in measurements.units]
-        entry = PlanEntry(measurements, plan)
         try:
-            self._apply(entry)
+            if self.policy.decode_bps is not None and not plan.coded and self._streams_coded_packs(plan):
+                # A plan without coded loads (see [Note: compression yields to the budget]).
+                measurements = self._hold_uncompressed(measurements)
+            self._apply(PlanEntry(measurements, plan))
         except BaseException as exc:
             self.policy.layout_failed(plan, exc)
             self._profile_again_streaming_everything("the plan's layout failed")
@@ -131,12 +130,19 @@ class PlanStates:
         )
 
     def _hold_uncompressed(self, measurements: Measurements) -> Measurements:
-        """Give every compressed pack its raw bytes back and plan without coded loads from now on;
-        ``measurements`` as such plans count them."""
+        """Give every compressed pack its raw bytes back, plan without coded loads from now on (the plans
+        made for other inputs too), and return ``measurements`` as such plans count them."""
         from .coded_packs import hold_uncompressed
 
+        self.store.recode = None  # a pack built again from device storage stays raw
+        self.current, self.laid_out = None, False
+        self.store.vacate()  # the device bytes each piece's decode needs: the plan lays out afresh
         hold_uncompressed(self.store)
         self.policy.stop_coding()
+        for signature, entry in list(self.plans.items()):  # made for coded loads: made again without
+            raw = without_coding(entry.measurements)
+            self.plans[signature] = PlanEntry(raw, self.policy.make_plan(raw))
+            self.recordings.pop(signature, None)
         return without_coding(measurements)
 
     def _apply(self, entry: PlanEntry) -> None:

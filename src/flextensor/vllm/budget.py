@@ -9,6 +9,7 @@ has measured them, so the KV cache is sized around the layouts the plans will ma
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 
 from torch import nn
@@ -18,6 +19,8 @@ from flextensor.errors import BudgetError
 from flextensor.layout import UNIT_ALIGNMENT, provisional_arena_bytes
 from flextensor.simulator import coded_staging_bytes
 from flextensor.sizes import align_up, format_bytes
+
+logger = logging.getLogger("flextensor")
 
 __all__ = ["count_weights_only", "hold_budget_in_reserve", "weights_outside_units"]
 
@@ -55,18 +58,28 @@ def count_weights_only(model: nn.Module) -> None:
     outside = fixed()
     units = engine.store.units
     in_flight = provisional_arena_bytes([unit.nbytes for unit in units])
-    # Compressed packs load through staging slots the plans count too (see [Note: coded loads]).
-    in_flight += coded_staging_bytes(
-        [u.pack.staging_nbytes for u in units if u.pack is not None and u.pack.coded]
-    )  # type: ignore[attr-defined]
     budget = policy.budget_bytes
     if budget is not None and budget < outside + in_flight:
         raise BudgetError(
             f"gpu_memory_budget {format_bytes(budget)} is below the {format_bytes(outside + in_flight)} "
             "the smallest plan needs under vLLM: the weights outside the offload units "
-            f"({format_bytes(outside)}) and room for the two largest units in flight, with the staging of "
-            f"compressed ones ({format_bytes(in_flight)}); raise the budget (under vLLM it counts the "
-            "weights alone; vLLM sizes the KV cache and activations from what is left)"
+            f"({format_bytes(outside)}) and room for the two largest units in flight "
+            f"({format_bytes(in_flight)}); raise the budget (under vLLM it counts the weights alone; vLLM "
+            "sizes the KV cache and activations from what is left)"
+        )
+    # Compressed packs load through staging slots the plans count too (see [Note: coded loads]); without
+    # room for them the plans give compression up (see [Note: compression yields to the budget]).
+    staging = coded_staging_bytes(
+        [u.pack.staging_nbytes for u in units if u.pack is not None and u.pack.coded]  # type: ignore[attr-defined]
+    )
+    if budget is not None and budget < outside + in_flight + staging:
+        logger.warning(
+            "gpu_memory_budget %s has no room for the %s of staging slots compressed loads take next to the "
+            "smallest plan: the plans will copy the packs uncompressed (%s more budget streams them "
+            "compressed)",
+            format_bytes(budget),
+            format_bytes(staging),
+            format_bytes(outside + in_flight + staging - budget),
         )
 
 
