@@ -215,7 +215,8 @@ def test_packs_held_uncompressed_again_are_decoded_on_the_gpu_bit_for_bit(
     and the model streams them bit for bit."""
     import flextensor
     from flextensor.api import engine_of
-    from flextensor.coded_packs import CodedPack, hold_uncompressed
+    from flextensor.coded_packs import CodedPack
+    from flextensor.pack_compression import hold_uncompressed
 
     model = compressed_medium_llama
     engine = engine_of(model)

@@ -22,7 +22,7 @@ from streaming import streaming_config
 @pytest.fixture
 def fast_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decoder faster than any link: every unit's coded load pays."""
-    monkeypatch.setattr("flextensor.coded_packs.probe_decode", lambda runtime, pack, destination: 1e15)
+    monkeypatch.setattr("flextensor.pack_compression.probe_decode", lambda runtime, pack, destination: 1e15)
 
 
 def bf16_llama(layers: int = 4) -> torch.nn.Module:
@@ -98,7 +98,7 @@ def test_a_decoder_slower_than_the_link_compresses_nothing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """As on a CPU device with large units: the reference decoder (about 0.2 GB/s) against a memcpy."""
-    monkeypatch.setattr("flextensor.coded_packs.probe_decode", lambda runtime, pack, destination: 1e6)
+    monkeypatch.setattr("flextensor.pack_compression.probe_decode", lambda runtime, pack, destination: 1e6)
     reference = bf16_llama(layers=2)
     with caplog.at_level("INFO", logger="flextensor"):
         model = compressed(bf16_llama(layers=2))

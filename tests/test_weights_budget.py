@@ -198,7 +198,7 @@ def test_under_vllm_a_budget_without_room_for_the_staging_of_compressed_loads_wa
     pytest.importorskip("vllm")
     from flextensor.vllm.budget import count_weights_only, weights_outside_units
 
-    monkeypatch.setattr("flextensor.coded_packs.probe_decode", lambda runtime, pack, destination: 1e15)
+    monkeypatch.setattr("flextensor.pack_compression.probe_decode", lambda runtime, pack, destination: 1e15)
     model = make_spec_model(n_layers=6).to(torch.bfloat16)
     config = flextensor.OffloadConfig(include_patterns=["layers.*"], compression="lossless", **CPU)
     model = flextensor.offload(model, config)

@@ -154,7 +154,7 @@ def offload(
 def compress(engine: OffloadEngine, arena: torch.Tensor, profile: Profile | None, source: str) -> None:
     """Hold compressed the packs whose loads that speeds up, and tell the planner (see [Note: coded
     packs] in coded_packs.py); not when the run adopts a ``profile`` whose plan copies them as they are."""
-    from .coded_packs import coded_sizes, compress_packs
+    from .pack_compression import coded_sizes, compress_packs
     from .profile_reuse import streams_uncompressed
 
     if profile is not None and streams_uncompressed(engine, profile, source):

@@ -1,14 +1,15 @@
 """Packs held losslessly compressed (``OffloadConfig(compression="lossless")``), and their loads.
 
 [Note: coded packs]
-At offload(), once the link's speed and the device's decode speed are probed, every unit whose coded load
-beats its raw copy (see [Note: coded loads] in measurements.py) gets its pack encoded (codec/) and the raw
-pack freed: host memory then holds the compressed bytes, pinned like any pack. The pack's bytes are
-encoded as the unit's 16-bit dtype (bfloat16 or float16, whichever holds most of them): every bit
-pattern round-trips, so parameters of other dtypes and the alignment padding pass through intact, just
-less compressed. They are encoded in pieces of ``CODED_PIECE_BYTES`` (64 MiB of weights), each its own
-``[stream | chunk offsets (int64) | chunk widths]`` (:class:`CodedPiece`): one copy moves everything a
-piece's decode reads, and the staging slots hold a piece, not a unit.
+At offload(), once the link's speed and the device's decode speed are probed (pack_compression.py decides
+which packs are held compressed, and undoes it), every unit whose coded load beats its raw copy (see
+[Note: coded loads] in measurements.py) gets its pack encoded (codec/) and the raw pack freed: host memory
+then holds the compressed bytes, pinned like any pack. The pack's bytes are encoded as the unit's 16-bit
+dtype (bfloat16 or float16, whichever holds most of them): every bit pattern round-trips, so parameters of
+other dtypes and the alignment padding pass through intact, just less compressed. They are encoded in
+pieces of ``CODED_PIECE_BYTES`` (64 MiB of weights), each its own ``[stream | chunk offsets (int64) |
+chunk widths]`` (:class:`CodedPiece`): one copy moves everything a piece's decode reads, and the staging
+slots hold a piece, not a unit.
 
 A load (:class:`CodedLoads`) copies each piece into one of two device staging slots on the copy stream,
 then decodes it from there into its part of the unit's arena range on a decode stream of its own; after
@@ -37,7 +38,6 @@ encoded once its read is done. A CUDA-graph capture records the loads like any c
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,28 +48,16 @@ from .codec import EncodedTensor, decode, encode
 from .codec.format import CODED_DTYPES
 from .device import DeviceRuntime
 from .host_store import PackedParameter, UnitPack
-from .measurements import CODED_PIECE_BYTES, LinkModel, coded_load_seconds
+from .measurements import CODED_PIECE_BYTES
 from .simulator import CODED_STAGING_SLOTS
 from .sizes import align_up
-from .units import Placement
 
 if TYPE_CHECKING:
-    from .slots import DeviceStore
     from .units import Unit
 
 logger = logging.getLogger("flextensor")
 
-__all__ = [
-    "CodedLoads",
-    "CodedPack",
-    "CodedPiece",
-    "coded_dtype",
-    "coded_load_pays",
-    "coded_sizes",
-    "compress_packs",
-    "hold_uncompressed",
-    "probe_decode",
-]
+__all__ = ["CodedLoads", "CodedPack", "CodedPiece", "coded_dtype"]
 
 _INDEX_ALIGNMENT = 8  # the chunk offsets are int64
 
@@ -346,159 +334,3 @@ class CodedLoads:
     def _wait(self, stream: Any, event: Any) -> None:
         if self._in_capture is None or id(event) in self._in_capture:
             stream.wait_event(event)
-
-
-def coded_load_pays(raw_nbytes: int, coded_nbytes: int, link: LinkModel, decode_bps: float) -> bool:
-    """Whether a coded load of a unit beats its raw copy (see [Note: coded loads] in measurements.py)."""
-    return coded_load_seconds(raw_nbytes, coded_nbytes, link, decode_bps) < link.copy_s(raw_nbytes)
-
-
-_PROBE_S = 0.02  # the decodes timed together: long enough that the host clock and a sync add little
-
-
-def probe_decode(runtime: DeviceRuntime, pack: CodedPack, destination: torch.Tensor) -> float:
-    """The device's decode speed, bytes of weights written per second: ``pack`` decoded piece by piece
-    into ``destination`` (the arena) from a device copy of its bytes. One decode first (a GPU compiles
-    its kernel then), then as many back to back as fill about 20 ms, timed together: one decode of a few
-    MB timed alone would measure the launch and the sync, not the decoder."""
-    on_device = pack.copy_source.to(runtime.device)
-    out = destination[: pack.nbytes]
-
-    def seconds_per_decode(repeats: int) -> float:
-        runtime.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            pack.decode_into(on_device, out)
-        runtime.synchronize()
-        return max(time.perf_counter() - start, 1e-9) / repeats
-
-    seconds_per_decode(1)
-    repeats = max(1, min(50, round(_PROBE_S / seconds_per_decode(1))))
-    return pack.nbytes / seconds_per_decode(repeats)
-
-
-def coded_sizes(units: Sequence[Unit]) -> dict[str, tuple[int, int]]:
-    """Unit name -> (bytes its coded load copies, its largest piece), for the units held compressed."""
-    return {
-        u.name: (u.pack.coded_nbytes, u.pack.staging_nbytes)  # type: ignore[attr-defined]
-        for u in units
-        if u.pack is not None and u.pack.coded
-    }
-
-
-def compress_packs(store: DeviceStore, link: LinkModel, arena: torch.Tensor) -> float | None:
-    """At offload(), with ``compression="lossless"``: encode the packs whose coded loads beat their raw
-    copies on this link (see [Note: coded packs]) and return the decode speed measured, or None when
-    no unit's load gets faster (a CPU device: its decoder is slower than a memcpy)."""
-    runtime = store.runtime
-    candidates = [
-        u
-        for u in store.units
-        if u.pack is not None
-        and type(u.pack) is UnitPack
-        and not u.pack.shared
-        and coded_dtype(u.entries) is not None
-        and u.nbytes % 2 == 0
-        and u.nbytes > 0
-    ]
-    if not candidates:
-        return None
-    encode_on = runtime.device if runtime.is_cuda else None
-    largest = max(candidates, key=lambda u: u.nbytes)
-    assert largest.pack is not None
-    probe = CodedPack.encode(largest.name, largest.entries, largest.pack.buffer, encode_on)
-    decode_bps = probe_decode(runtime, probe, arena)
-    store.forget_contents()  # the probe wrote over the arena
-    if not coded_load_pays(largest.nbytes, probe.coded_nbytes, link, decode_bps):
-        probe.free()
-        logger.info(
-            "compression='lossless': decoding at %.1f GB/s loads no unit faster than the link's %.1f GB/s "
-            "copies; every unit is copied as it is",
-            decode_bps / 1e9,
-            link.bytes_per_s(largest.nbytes) / 1e9,
-        )
-        return None
-    coded = 0
-    for unit in candidates:
-        assert unit.pack is not None
-        pack = (
-            probe
-            if unit is largest
-            else CodedPack.encode(unit.name, unit.entries, unit.pack.buffer, encode_on)
-        )
-        if coded_load_pays(unit.nbytes, pack.coded_nbytes, link, decode_bps):
-            swap_in(store, unit, pack)
-            coded += 1
-        else:
-            pack.free()
-    chosen = {u.name for u in candidates if u.pack is not None and u.pack.coded}
-    store.recode = lambda unit: recode(unit, encode_on) if unit.name in chosen else None
-    store.allocate_coded_loads([u for u in store.units if u.placement is Placement.STREAMED])
-    logger.info(
-        "compression='lossless': %d of %d unit(s) held compressed (%.3f of their size), decoded at %.1f GB/s",
-        coded,
-        len(store.units),
-        sum(u.pack.coded_nbytes for u in store.units if u.pack is not None and u.pack.coded)  # type: ignore[attr-defined]
-        / max(1, sum(u.nbytes for u in store.units if u.pack is not None and u.pack.coded)),
-        decode_bps / 1e9,
-    )
-    return decode_bps
-
-
-def swap_in(store: DeviceStore, unit: Unit, pack: CodedPack) -> None:
-    """Hold ``unit``'s weights in ``pack`` from now on, freeing its raw pack (nothing views it: the
-    parameters view the device), pinned as the host budget allows."""
-    old, unit.pack = unit.pack, pack
-    unit.staging = None
-    if old is not None:
-        old.free()
-    store.host.admit(unit, store.units)
-
-
-def hold_uncompressed(store: DeviceStore) -> None:
-    """Give every compressed pack its raw bytes back, for plans that copy them as they are (see [Note:
-    compression yields to the budget] in plan_policy.py). Plan time only: waits for the device, whose
-    copies may still read the packs. Decodes through the device when there is one, a piece at a time (its
-    bytes and output there for a moment: call it with the layout given back), on the host otherwise.
-    Unit by unit, so host memory holds one unit's two forms at most: a failure (out of memory) leaves the
-    units before it raw and the others compressed, a state the next layout serves as it is."""
-    runtime = store.runtime
-    runtime.synchronize()
-    for unit in store.units:
-        pack = unit.pack
-        if not isinstance(pack, CodedPack):
-            continue
-        raw = UnitPack(unit.name, unit.entries, pack.nbytes, False)  # the host budget pins it
-        try:
-            if runtime.is_cuda:
-                _decode_on_device(pack, raw.buffer, runtime.device)
-            else:
-                pack.decode_into(pack.copy_source, raw.buffer)
-        except BaseException:
-            raw.free()
-            raise
-        unit.pack, unit.staging = raw, None
-        pack.free()
-        store.host.admit(unit, store.units)
-    store.drop_coded_loads()  # their staging slots serve no pack now
-    logger.info("compressed packs held uncompressed again: every unit is copied as it is")
-
-
-def _decode_on_device(pack: CodedPack, out: torch.Tensor, device: torch.device) -> None:
-    """Decode ``pack`` into ``out`` (host memory) through ``device``, one piece at a time."""
-    source = pack.copy_source
-    for piece in pack.pieces:
-        data = source[piece.start : piece.start + piece.nbytes].to(device)
-        decoded = torch.empty(piece.raw_nbytes, dtype=torch.uint8, device=device)
-        decode(piece.encoded(data, pack.dtype, pack.chunk_elements), out=decoded.view(pack.dtype))
-        out[piece.raw_start : piece.raw_start + piece.raw_nbytes].copy_(decoded)  # waits for the decode
-
-
-def recode(unit: Unit, encode_on: torch.device | None) -> None:
-    """A pack built again from device storage (see DeviceStore._refresh_pack) of a unit that was held
-    compressed is compressed again (encoded on the device when there is one: a layout's brief peak)."""
-    raw = unit.pack
-    if raw is None or raw.coded:
-        return
-    unit.pack = CodedPack.encode(unit.name, unit.entries, raw.buffer, encode_on)
-    raw.free()

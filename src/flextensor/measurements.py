@@ -12,7 +12,7 @@ coded load on the copy stream as that two-stage pipeline: the slower stage (a pi
 decoder; its decode behind a slow one, the copies then waiting for staging slots) once per piece, the
 other once. That is when the unit is ready; slightly pessimistic for how soon the next unit's copy starts
 (it overlaps the last decode). A unit is held compressed only where its coded load is faster than its raw
-copy on this link (decided at offload(), coded_packs.compress_packs); compute is unchanged. The planner
+copy on this link (decided at offload(), pack_compression.compress_packs); compute is unchanged. The planner
 counts the two staging slots, each the largest compressed piece (``staging_nbytes``), in the peak: about
 90 MB on bf16 weights (two pieces at about 0.7), whatever the unit's size. When they do not fit a budget
 that the plan without them fits, the plan streams raw and the packs are held uncompressed again

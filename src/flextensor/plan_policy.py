@@ -19,7 +19,7 @@ budget that fits the smallest plan without them but not with them (a compute-bou
 was sized to its raw plan: wan20 at 5.7 GB), refusing would make ``compression="lossless"`` break a
 model that runs without it. The plan is then made without coded loads, with a warning that says how
 much more budget compression needs, and the engine holds the packs uncompressed again
-(``coded_packs.hold_uncompressed``) before laying it out. That is for every input from then on: a pack
+(``pack_compression.hold_uncompressed``) before laying it out. That is for every input from then on: a pack
 is held one way, and plans already made for other inputs are made again without coded loads (a long
 prefill whose activations leave no room gives compression up for the decode steps too; the warning says
 by how much the budget falls short). A profile saved from such a plan says so (its plan streams no unit

@@ -125,14 +125,12 @@ class PlanStates:
         logger.info("plan: %s", plan.summary())
 
     def _streams_coded_packs(self, plan: Plan) -> bool:
-        return any(
-            (pack := self.units[name].pack) is not None and pack.coded for name in plan.streamed
-        )
+        return any((pack := self.units[name].pack) is not None and pack.coded for name in plan.streamed)
 
     def _hold_uncompressed(self, measurements: Measurements) -> Measurements:
         """Give every compressed pack its raw bytes back, plan without coded loads from now on (the plans
         made for other inputs too), and return ``measurements`` as such plans count them."""
-        from .coded_packs import hold_uncompressed
+        from .pack_compression import hold_uncompressed
 
         self.store.recode = None  # a pack built again from device storage stays raw
         self.current, self.laid_out = None, False

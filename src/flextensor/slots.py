@@ -151,7 +151,7 @@ class DeviceStore:
         self.host = HostBudget(None, runtime, pin)  # which packs are pinned; set_host_budget bounds it
         self.reserved: torch.Tensor | None = None  # see hold_in_reserve
         self.coded_loads: CodedLoads | None = None  # staging slots and decode stream of coded loads
-        self.recode: Callable[[Unit], None] | None = None  # encodes a pack built again (coded_packs.py)
+        self.recode: Callable[[Unit], None] | None = None  # encodes a pack built again (pack_compression.py)
 
     def hold_in_reserve(self, nbytes: int) -> None:
         """Hold ``nbytes`` of device memory until the next layout, which frees it first and allocates into
