@@ -598,3 +598,38 @@ def test_a_profile_made_with_compression_loaded_without_it_plans_raw(
     engine = engine_of(again)
     assert not engine.current.plan.coded  # type: ignore[union-attr]
     assert engine.current.measurements.decode_bps is None  # type: ignore[union-attr]
+
+
+def test_a_run_from_a_profile_encodes_only_the_units_its_plan_loads_compressed(
+    fast_decoder: None, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Units the saved plan keeps resident are never encoded when a run starts from it (their packs go
+    once laid out), and the run is in steady state at once, bit for bit."""
+    reference = bf16_llama(layers=8)
+    layer = sum(p.numel() * p.element_size() for p in reference.model.layers[0].parameters())
+    model = bf16_llama(layers=8)
+    config = compressed_config(model)
+    config = config.model_copy(update={"gpu_memory_budget": config.gpu_memory_budget + 2 * layer})
+    model = flextensor.offload(model, config)
+    steady(model, llama_inputs())
+    plan = engine_of(model).current.plan  # type: ignore[union-attr]
+    assert plan.resident and plan.coded  # room for some layers, not all (all: 8 layers; this: ~5.5)
+    path = tmp_path / "mixed.ftprofile.json"
+    flextensor.save_profile(model, path)
+    flextensor.release(model)
+
+    encoded: list[str] = []
+    real_encode = CodedPack.encode.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        CodedPack,
+        "encode",
+        classmethod(lambda cls, unit, *rest: (encoded.append(unit), real_encode(cls, unit, *rest))[1]),
+    )
+    again = bf16_llama(layers=8)
+    again = flextensor.offload(again, config.model_copy(update={"profile": path}))
+    assert sorted(set(encoded)) == sorted(plan.coded)
+    assert flextensor.phase(again) == "inference"
+    engine = engine_of(again)
+    assert all(not isinstance(engine.units[name].pack, CodedPack) for name in plan.resident)
+    assert engine.current.plan.coded == plan.coded  # type: ignore[union-attr]
+    streams_bit_for_bit(again, reference, forwards=3)

@@ -153,21 +153,24 @@ def offload(
 
 def compress(engine: OffloadEngine, arena: torch.Tensor, profile: Profile | None, source: str) -> None:
     """Hold compressed the packs whose loads that speeds up, and tell the planner (see [Note: coded
-    packs] in coded_packs.py); not when the run adopts a ``profile`` whose plan copies them as they are."""
+    packs] in coded_packs.py); when the run adopts a ``profile``'s plan, only the units it loads
+    compressed."""
     from .pack_compression import coded_sizes, compress_packs
-    from .profile_reuse import streams_uncompressed
+    from .profile_reuse import adopted_coded_units
 
-    if profile is not None and streams_uncompressed(engine, profile, source):
-        logger.warning(
-            "compression='lossless' is not used: the plan of profile %s copies every streamed unit as it is "
-            "(made without compression, or under a budget with no room for its staging slots), so the packs "
-            "stay uncompressed; offload without profile= to plan with compression",
-            source,
-        )
+    only = None if profile is None else adopted_coded_units(engine, profile, source)
+    if only is not None and not only:
+        if profile is not None and profile.plan.streamed:
+            logger.warning(
+                "compression='lossless' is not used: the plan of profile %s copies every streamed unit as "
+                "it is (made without compression, or under a budget with no room for its staging slots), so "
+                "the packs stay uncompressed; offload without profile= to plan with compression",
+                source,
+            )
         return
     assert engine.link is not None
     store = engine.store
-    decode_bps = compress_packs(store, engine.link, arena)
+    decode_bps = compress_packs(store, engine.link, arena, only)
     if decode_bps is not None:
         engine.policy.stream_coded(decode_bps, lambda: coded_sizes(store.units))
 

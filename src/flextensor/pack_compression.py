@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,15 +79,19 @@ def coded_sizes(units: Sequence[Unit]) -> dict[str, tuple[int, int]]:
     }
 
 
-def compress_packs(store: DeviceStore, link: LinkModel, arena: torch.Tensor) -> float | None:
+def compress_packs(
+    store: DeviceStore, link: LinkModel, arena: torch.Tensor, only: Collection[str] | None = None
+) -> float | None:
     """At offload(), with ``compression="lossless"``: encode the packs whose coded loads beat their raw
     copies on this link (see [Note: coded packs]) and return the decode speed measured, or None when
-    no unit's load gets faster (a CPU device: its decoder is slower than a memcpy)."""
+    no unit's load gets faster (a CPU device: its decoder is slower than a memcpy). ``only``: the units
+    to consider (a saved plan's coded ones: the others are resident or copied as they are)."""
     runtime = store.runtime
     candidates = [
         u
         for u in store.units
-        if u.pack is not None
+        if (only is None or u.name in only)
+        and u.pack is not None
         and type(u.pack) is UnitPack
         and not u.pack.shared
         and coded_dtype(u.entries) is not None

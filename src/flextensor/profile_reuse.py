@@ -36,12 +36,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("flextensor")
 
 __all__ = [
+    "adopted_coded_units",
     "engine_fingerprint",
     "read_profile",
     "snapshot_profile",
     "start_from_loaded_profile",
     "start_from_profile",
-    "streams_uncompressed",
 ]
 
 
@@ -112,16 +112,18 @@ def read_profile(path: str | os.PathLike[str]) -> Profile:
     return load_profile_file(source)
 
 
-def streams_uncompressed(engine: OffloadEngine, profile: Profile, source: str) -> bool:
-    """Whether a run started from ``profile`` adopts its saved plan, and that plan copies every streamed
-    unit as it is (made without compression, or under a budget with no room for its staging slots):
-    compressing the packs at offload() would then be undone at once. Another model raises ProfileError."""
+def adopted_coded_units(engine: OffloadEngine, profile: Profile, source: str) -> frozenset[str] | None:
+    """The units a run started from ``profile`` loads compressed: its saved plan's coded units when the run
+    adopts that plan as it is (empty when it copies every unit as it is: made without compression, or
+    under a budget with no room for its staging slots); None when the run plans afresh. Encoding any
+    other unit at offload() would be undone or wasted. Another model raises ProfileError."""
     compatibility = check_compatibility(
         profile.fingerprint, engine_fingerprint(engine, profile.fingerprint.input_shapes), source=source
     )
     plan = profile.plan
-    kept = compatibility is not Compatibility.REPLAN and _keeps_budget(engine, plan)
-    return kept and bool(plan.streamed) and not plan.coded
+    if compatibility is Compatibility.REPLAN or not _keeps_budget(engine, plan):
+        return None
+    return frozenset(plan.coded)
 
 
 def _keeps_budget(engine: OffloadEngine, plan: Plan) -> bool:
