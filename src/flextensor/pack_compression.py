@@ -160,6 +160,7 @@ def hold_uncompressed(store: DeviceStore) -> None:
     Unit by unit, so host memory holds one unit's two forms at most: a failure (out of memory) leaves the
     units before it raw and the others compressed, a state the next layout serves as it is."""
     runtime = store.runtime
+    store.recode = None  # a pack built again from device storage stays raw from now on
     runtime.synchronize()
     for unit in store.units:
         pack = unit.pack

@@ -132,7 +132,7 @@ class PlanStates:
         made for other inputs too), and return ``measurements`` as such plans count them."""
         from .pack_compression import hold_uncompressed
 
-        self.store.recode = None  # a pack built again from device storage stays raw
+        self.store.recode = None  # before vacate() rebuilds resident packs: raw, not encoded to be undone
         self.current, self.laid_out = None, False
         self.store.vacate()  # the device bytes each piece's decode needs: the plan lays out afresh
         hold_uncompressed(self.store)
