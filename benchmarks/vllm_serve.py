@@ -6,17 +6,19 @@
 Methods, all at the same ``--gpu-memory-utilization`` (low enough that the 16 GB model does not fit):
 ``native`` (reference; give it a utilization where the model fits), ``uva`` (``cpu_offload_gb``),
 ``prefetch`` (``offload_backend="prefetch"``), ``flextensor`` (``load_format="flextensor"`` with
-``--budget``). Prefill: ``batch`` prompts of ``--prompt-len`` tokens, one output token each. Decode:
-``--decode-tokens`` tokens each, timed after the prefill. Each phase runs ``--warmup`` times first (the
-first steps of flextensor learn the model). One engine measures every ``--batch`` size in turn. Prints and
-appends one JSON line per batch size, with the runner and the offloader vLLM ran (``uva`` and ``prefetch``
-run on vLLM's V1 runner: 0.26's V2 runner ignores vLLM's own offload options and keeps every weight on the
-GPU; ``VLLM_USE_V2_MODEL_RUNNER`` set by the caller wins).
+``--budget``, and ``--compression lossless`` for compressed streaming). Prefill: ``batch`` prompts of
+``--prompt-len`` tokens, one output token each. Decode: ``--decode-tokens`` tokens each, timed after the
+prefill. Each phase runs ``--warmup`` times first (the first steps of flextensor learn the model). One
+engine measures every ``--batch`` size in turn. Prints and appends one JSON line per batch size, with a
+digest of the greedy tokens (equal digests: equal outputs), the runner and the offloader vLLM ran
+(``uva`` and ``prefetch`` run on vLLM's V1 runner: 0.26's V2 runner ignores vLLM's own offload options
+and keeps every weight on the GPU; ``VLLM_USE_V2_MODEL_RUNNER`` set by the caller wins).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -56,7 +58,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     elif args.method == "flextensor":
         kwargs.update(
             load_format="flextensor",
-            additional_config={"flextensor": {"gpu_memory_budget": args.budget}},
+            additional_config={
+                "flextensor": {"gpu_memory_budget": args.budget, "compression": args.compression}
+            },
         )
     if args.cudagraph_mode is not None:
         kwargs["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
@@ -67,10 +71,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def timed(llm, prompts, params) -> float:
+def timed(llm, prompts, params, tokens: list | None = None) -> float:
+    """Seconds to generate; the greedy token ids go into ``tokens`` when given."""
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    if tokens is not None:
+        tokens[:] = [list(o.outputs[0].token_ids) for o in outputs]
+    return seconds
 
 
 def main() -> None:
@@ -92,6 +100,9 @@ def main() -> None:
         "--cudagraph-mode",
         default=None,
         help="vLLM's cudagraph_mode (default: vLLM's; flextensor: FULL_DECODE_ONLY)",
+    )
+    parser.add_argument(
+        "--compression", choices=["off", "lossless"], default="off", help="flextensor's compression"
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/vllm_serve.jsonl")
@@ -131,7 +142,8 @@ def measure(llm, args: argparse.Namespace, batch: int, SamplingParams, TokensPro
     for _ in range(args.warmup):  # flextensor learns each new step shape in its first steps
         timed(llm, prompts, full)
     prefill_s = min(timed(llm, prompts, prefill) for _ in range(2))
-    total_s = min(timed(llm, prompts, full) for _ in range(2))
+    tokens: list = []
+    total_s = min(timed(llm, prompts, full, tokens) for _ in range(2))
     decode_s = max(total_s - prefill_s, 1e-9)
     row = {
         "when": time.strftime("%Y-%m-%dT%H:%M"),
@@ -143,10 +155,13 @@ def measure(llm, args: argparse.Namespace, batch: int, SamplingParams, TokensPro
         "decode_tokens": args.decode_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "budget": args.budget if args.method == "flextensor" else None,
+        "compression": args.compression if args.method == "flextensor" else None,
         "kv_cache_gb": args.kv_cache_gb,
         "eager": args.eager,
         "prefill_tokens_per_s": round(batch * args.prompt_len / prefill_s, 1),
         "decode_tokens_per_s": round(batch * (args.decode_tokens - 1) / decode_s, 1),
+        # Greedy tokens of the last timed run: equal digests mean equal outputs across methods.
+        "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
     }
     row.update(llm.collective_rpc("flextensor_runtime")[0])  # runner, offloader, CUDA graphs
     memory = llm.collective_rpc("flextensor_device_memory")[0]

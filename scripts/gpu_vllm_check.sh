@@ -6,8 +6,8 @@
 #   PART=0: import check + the vLLM tests on the GPU (tiny Llama; compiled mode without CUDA graphs);
 #           TESTS="-k expr" picks some.
 #   PART=save: save the random Llama-3.1-8B checkpoint (once per machine, while it stays warm).
-#   PART=1: batch 1 and 32 (BATCHES) for each of METHODS (default: native flextensor uva prefetch), one
-#           engine per method.
+#   PART=1: batch 1 and 32 (BATCHES) for each of METHODS (default: native flextensor uva prefetch;
+#           flextensor_lossless: flextensor with compression="lossless"), one engine per method.
 #           BENCH_ARGS go to benchmarks.vllm_serve (e.g. "--decode-tokens 16 --warmup 1").
 set -u
 source "$(dirname "$0")/gpu_vllm_env.sh"
@@ -30,7 +30,9 @@ save)
     for method in ${METHODS:-native flextensor uva prefetch}; do
         # native at a utilization where the whole model fits; the others where it does not
         util=$([ "$method" = native ] && echo 0.3 || echo 0.11)
-        timeout "${METHOD_TIMEOUT:-170}" python3 -m benchmarks.vllm_serve --model "$model" --method "$method" \
+        extra=""
+        if [ "$method" = flextensor_lossless ]; then method=flextensor; extra="--compression lossless"; fi
+        timeout "${METHOD_TIMEOUT:-170}" python3 -m benchmarks.vllm_serve --model "$model" --method "$method" $extra \
             --batch "$batch" --gpu-memory-utilization "$util" --out "$out" ${BENCH_ARGS:-} 2>&1 \
             | grep -E '^\{|Error|error:' | tail -3
     done

@@ -166,6 +166,27 @@ def test_multiprocess_engine_streams_the_same(engines) -> None:
         assert_close_logprobs(got["logprobs"][call], want["logprobs"][call])
 
 
+def test_compressed_streaming_gives_the_raw_streams_outputs(tiny_llama: Path, tmp_path: Path) -> None:
+    """compression="lossless" under vLLM, in bf16 (on a GPU in vLLM's default compiled mode with CUDA
+    graphs; eager on a CPU, to spare CI an inductor compile): the same tokens and logprobs, bit for bit,
+    as streaming the raw weights. Both engines share one compile cache: the option is set without
+    touching vLLM's additional_config, which is hashed into it."""
+    cuda = torch.cuda.is_available()
+    # The bf16 tiny Llama: 564 KiB outside its layers, layers of 289 KiB (208 KiB compressed), two
+    # staging slots of 204 KiB: every layer streams compressed.
+    budget = {"gpu_memory_budget": "1600KiB"}
+    args = (*(("--compiled",) if cuda else ()), "--dtype", "bfloat16", "--flextensor", json.dumps(budget))
+    raw = run_engine(tiny_llama, tmp_path / "raw.json", *args, "--report")
+    coded = run_engine(tiny_llama, tmp_path / "coded.json", *args, "--report", "--compress")
+    (report,) = coded["reports"]
+    assert {u["placement"] for u in report["units"]} == {"streamed"}
+    assert all(u["coded_nbytes"] is not None for u in report["units"])
+    if cuda:
+        assert coded["runtime"][0]["cuda_graphs_captured"] > 0
+    assert coded["tokens"] == raw["tokens"]
+    assert coded["logprobs"] == raw["logprobs"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's V2 model runner is a GPU runner")
 def test_v2_model_runner_streams_the_same(tiny_llama: Path, tmp_path: Path) -> None:
     """vLLM's V2 GPU runner never installs an offloader nor calls post_init (0.26): the loader does both.

@@ -34,7 +34,12 @@ def build_tiny_llama(directory: str) -> None:
 
 
 def generate(
-    model_dir: str, flextensor: dict | None, compiled: bool, report: bool, save_profile: str | None = None
+    model_dir: str,
+    flextensor: dict | None,
+    compiled: bool,
+    report: bool,
+    save_profile: str | None = None,
+    dtype: str = "float32",
 ) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -47,7 +52,7 @@ def generate(
     llm = LLM(
         model=model_dir,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=128,
         seed=0,
         enforce_eager=not compiled,
@@ -75,6 +80,21 @@ def generate(
     if save_profile is not None:
         results["profiles"] = llm.collective_rpc("flextensor_save_profile", args=(save_profile,))
     return results
+
+
+def compress_every_unit() -> None:
+    """compression="lossless" for this process's engine without changing vLLM's additional_config (it is
+    hashed into vLLM's compile cache: a run with it would compile graphs of its own, whose GPU kernels
+    may round differently), and every unit compressed: the tiny Llama's layers are too small for a coded
+    load to pay on its own."""
+    import flextensor.pack_compression as pack_compression
+    from flextensor.vllm import loader
+
+    configured = loader.offload_config_from
+    loader.offload_config_from = lambda vllm_config: configured(vllm_config).model_copy(
+        update={"compression": "lossless"}
+    )
+    pack_compression.coded_load_pays = lambda *args: True
 
 
 BAD_INPUTS = {
@@ -127,6 +147,13 @@ def main() -> None:
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--save-profile", default=None, help="save each worker's profile to this path")
     parser.add_argument("--bad", action="store_true", help="start the engines of BAD_INPUTS")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--compress",
+        action="store_true",
+        help="stream compressed, every unit (see compress_every_unit): the same additional_config, so the "
+        "same compiled graphs as without",
+    )
     parser.add_argument("--build", action="store_true", help="save the tiny Llama to model_dir and exit")
     args = parser.parse_args()
     if args.build:
@@ -138,7 +165,11 @@ def main() -> None:
     if args.bad:
         results = refusals(args.model_dir)
     else:
-        results = generate(args.model_dir, args.flextensor, args.compiled, args.report, args.save_profile)
+        if args.compress:
+            compress_every_unit()
+        results = generate(
+            args.model_dir, args.flextensor, args.compiled, args.report, args.save_profile, args.dtype
+        )
     with open(args.out, "w") as f:
         json.dump(results, f)
 

@@ -139,11 +139,6 @@ class FlexTensorModelLoader(BaseModelLoader):
         config = offload_config_from(vllm_config)
         device = vllm_device(vllm_config)
         graphs = choose_cuda_graph_mode(vllm_config, device)
-        if graphs and config.compression != "off":
-            raise ConfigError(
-                "compression under vLLM's CUDA graphs is not supported yet: add -cc.cudagraph_mode=NONE "
-                '(compilation_config={"cudagraph_mode": "NONE"}), or leave compression off'
-            )
         if graphs and "discovery_forwards" not in config.model_fields_set:
             # vLLM captures right after its first forward (a memory estimate) and each later size after
             # one warm-up: one discovery forward, then the warm-up compiles outside the capture.

@@ -20,8 +20,9 @@ vLLM asks the installed offloader for three things, and this class answers them 
   replay, and inside a capture after the captured forward. Before the first capture the engine ends its
   learning with a plan and keeps that layout for every batch size from then on (vLLM warms each size up
   once, then captures it; see [Note: captured forwards] in cuda_graphs.py). Then the compute stream
-  waits for flextensor's copy stream, so copies queued before land first, and a capture never ends with
-  the copy stream forked. GPU only: on CPU vLLM never calls them.
+  waits for flextensor's copy stream (and for the decode stream of compressed loads), so copies queued
+  before land first, and a capture never ends with either stream forked. GPU only: on CPU vLLM never
+  calls them.
 """
 
 from __future__ import annotations
@@ -176,5 +177,12 @@ class FlexTensorOffloader(BaseOffloader):
 
     def join_after_forward(self) -> None:
         copy = self._copy_stream()
-        if copy is not None:
-            torch.cuda.current_stream(self.device).wait_stream(copy)
+        if copy is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(copy)
+        assert self.model is not None
+        coded_loads = engine_of(self.model).store.coded_loads
+        if coded_loads is not None:
+            # Compressed loads decode on a stream of their own: a capture must end joined to it too.
+            coded_loads.fence(compute)
