@@ -13,7 +13,7 @@ if [ "${PART:-1}" = 1 ]; then
 else
     methods="ours/cap=24GiB,diffusers_group,flextensor050"
 fi
-python3 -m benchmarks.run --workload wan22_pipeline --device cuda --out "$out" --deadline 560 --timeout 330 \
+python3 -m benchmarks.run --workload wan22_pipeline --device cuda --out "$out" --deadline "${DEADLINE:-560}" --timeout 330 \
     --min-steps 2 --max-steps 2 --methods "$methods" 2>&1 | tail -12
 python3 - "$out" <<'PY'
 import glob, json, sys

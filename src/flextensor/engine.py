@@ -76,6 +76,8 @@ class OffloadEngine(PlanStates):
         self.bracket = ForwardBracket(model)
         self.entry_methods = entry_methods  # bracketed like forward (hooks.entry_point)
         self.before_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's (pipelines.py)
+        self.after_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's, on success
+        self._laid_out_ahead = False  # the layout was made by lay_out_ahead, not yet waited for
         self.hooks = ModelHooks(self)
         self.phase = Phase.DISCOVERY
         self.order: list[Unit] = []  # execution order, once discovered
@@ -135,11 +137,38 @@ class OffloadEngine(PlanStates):
         units = self.units.values()
         self.hooks.hook_units(u for u in units if phase is not Phase.INFERENCE or not u.resident)
 
-    def _lay_out(self, streamed: list[Unit], resident: Any, arena_bytes: int, staged: Any = None) -> None:
+    def _lay_out(
+        self, streamed: list[Unit], resident: Any, arena_bytes: int, staged: Any = None, ahead: bool = False
+    ) -> None:
         self.laid_out = False
-        self.store.lay_out(streamed, resident, arena_bytes, staged)
+        self.store.lay_out(streamed, resident, arena_bytes, staged, ahead)
         self.laid_out = True
+        self._laid_out_ahead = ahead
         self.watch.arm(self.units.values())
+
+    def lay_out_ahead(self) -> bool:
+        """Lay the plan in place out now, before this model's next forward, while the device may still
+        run other work: a pipeline's next component (see [Note: the next component ahead] in
+        pipelines.py). Only from steady state with nothing laid out; True when it was laid out. A
+        failure (out of memory) is logged and leaves the layout to the next forward."""
+        entry = self.current
+        if (
+            entry is None
+            or self.laid_out
+            or self.phase is not Phase.INFERENCE
+            or self._check_next
+            or self.bracket.running
+            or self.editing is not None
+        ):
+            return False
+        try:
+            self._apply(entry, ahead=True)
+        except Exception as exc:  # an optimisation: the forward lays out as usual
+            logger.warning("laying the plan out ahead of the next forward failed (%s): it lays out then", exc)
+            self.store.vacate()
+            self.current, self.laid_out = entry, False
+            return False
+        return True
 
     # -- forwards -----------------------------------------------------------------------------------------
 
@@ -154,6 +183,10 @@ class OffloadEngine(PlanStates):
         refuse_forward_over_edits(self)
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
+        if self._laid_out_ahead:
+            # Resident units were uploaded on the copy stream (lay_out_ahead): read them after it.
+            self._laid_out_ahead = False
+            self.runtime.current_stream().wait_stream(self.runtime.copy_stream)
         if self.phase is Phase.PROFILING and self.learning.has_samples() and signature != self.signature:
             # Profiling the previous inputs was cut short by other ones (generate(): a prefill, then
             # decode steps) before it had all its forwards: plan those inputs from what was profiled,
@@ -236,6 +269,8 @@ class OffloadEngine(PlanStates):
                 self.watch.arm(self.units.values())
             else:
                 self.watch.refresh()  # compiled unit ops bump the counters of the weights they order by
+        if error is None and self.after_step is not None and not self.graphs.capturing():
+            self.after_step(self)  # a pipeline lays its next component out ahead (pipelines.py)
 
     def _end_forward(self, error: type[BaseException] | None) -> None:
         driver, self.step = self.step, self._outside

@@ -19,7 +19,18 @@ its repeated blocks as units (:func:`default_unit_patterns`).
 ``save_profile(pipe, path)`` writes one file with every component's profile (see pipeline_profile.py);
 ``OffloadConfig(profile=path)`` given to the pipeline's offload starts every component in steady state.
 
-Not done yet: prefetching the next component's first units under the end of the previous one.
+[Note: the next component ahead]
+A pipeline runs its components in runs: the text encoder twice (prompt and negative prompt), the
+transformer for each high-noise step, ``transformer_2`` for the low-noise ones, the VAE once. The
+pipeline remembers each component's last run, its length and which component followed it. When a
+component ends a step that completes a run as long as its last one, the component that followed it then
+is laid out at once (``OffloadEngine.lay_out_ahead``), while the device still runs the end of this one:
+its resident units upload and its first streamed units copy on its copy stream, so its first step
+starts with them in place (``transformer_2`` ready when the switch comes). Only when its planned peak
+fits the budget beside what the finishing component holds (after the others gave memory back as at a
+step): a layout ahead never makes the finishing component give its memory back, which would wait for
+the device. Under a budget that holds one component at a time it lays out at its step, as before. A
+wrong guess (a generation with more steps) costs memory the next step may take back, not correctness.
 """
 
 from __future__ import annotations
@@ -184,6 +195,9 @@ class PipelineOffload:
         self.budget_bytes = budget_bytes
         self._last_run: list[str] = []  # component names, least recently run first
         self.vacated = 0  # times a component gave its device bytes back
+        self._run: tuple[str, int] | None = None  # the component running now, and its steps in a row
+        self._runs: dict[str, tuple[int, str]] = {}  # each one's last run: its length, who came next
+        self.laid_out_ahead = 0  # times a component was laid out before its step (see the note)
 
     def engine(self, name: str) -> Any:
         from .api import engine_of
@@ -192,27 +206,56 @@ class PipelineOffload:
 
     def before_step(self, name: str) -> None:
         """Component ``name`` begins a step: make room for it among the others."""
+        run = self._run
+        if run is not None and run[0] == name:
+            self._run = (name, run[1] + 1)
+        else:
+            if run is not None:
+                self._runs[run[0]] = (run[1], name)
+            self._run = (name, 1)
         if name in self._last_run:
             self._last_run.remove(name)
+        self._make_room(name, keep=None)
+        self._last_run.append(name)
+
+    def after_step(self, name: str) -> None:
+        """Component ``name`` ended a step: lay out the one expected next if this ends its run."""
+        run, last = self._run, self._runs.get(name)
+        if run is None or run[0] != name or last is None or last[0] != run[1] or last[1] == name:
+            return
+        following = last[1]
+        engine = self.engine(following)
+        if engine.laid_out or engine.planned_peak_bytes() is None:
+            return  # in place already, or still learning (its layout is the forward's to make)
+        if self._make_room(following, keep=name) and engine.lay_out_ahead():
+            self.laid_out_ahead += 1
+            logger.debug("pipeline: %s laid out ahead, at the end of %s's run", following, name)
+
+    def _make_room(self, name: str, keep: str | None) -> bool:
+        """Make the others give back device memory until ``name``'s planned peak fits the budget beside
+        what stays held, the least recently run first; never ``keep``. Whether it fits."""
         starting = self.engine(name)
         limit = self.budget_bytes if self.budget_bytes is not None else starting.policy.memory_limit()
-        if limit is not None:
-            need = starting.planned_peak_bytes()
-            need = limit if need is None else need  # learning: its peak is not known yet
-            # Components that never ran first (they hold their learning layout from offload() on), then
-            # the least recently run.
-            never_ran = [n for n in self.components if n not in self._last_run and n != name]
-            others = [(n, self.engine(n)) for n in (*never_ran, *self._last_run)]
-            held = sum(e.store.device_bytes_held() for _, e in others)
-            for other_name, other in others:
-                if held + need <= limit:
-                    break
-                freed = other.vacate()
-                if freed:
-                    held -= freed
-                    self.vacated += 1
-                    logger.info("pipeline: %s gave back %d bytes for %s", other_name, freed, name)
-        self._last_run.append(name)
+        if limit is None:
+            return True
+        need = starting.planned_peak_bytes()
+        need = limit if need is None else need  # learning: its peak is not known yet
+        # Components that never ran first (they hold their learning layout from offload() on), then
+        # the least recently run.
+        never_ran = [n for n in self.components if n not in self._last_run and n != name]
+        others = [(n, self.engine(n)) for n in (*never_ran, *self._last_run) if n != name]
+        held = sum(e.store.device_bytes_held() for _, e in others)
+        for other_name, other in others:
+            if held + need <= limit:
+                break
+            if other_name == keep:
+                continue
+            freed = other.vacate()
+            if freed:
+                held -= freed
+                self.vacated += 1
+                logger.info("pipeline: %s gave back %d bytes for %s", other_name, freed, name)
+        return held + need <= limit
 
     def phase(self) -> str:
         """The least advanced phase of the components: ``inference`` once every one is steady."""
@@ -279,7 +322,9 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
         raise
     this = weakref.ref(pipeline)
     for name in components:
-        pipeline.engine(name).before_step = _before_step(this, name)
+        engine = pipeline.engine(name)
+        engine.before_step = _pipeline_call(this, PipelineOffload.before_step, name)
+        engine.after_step = _pipeline_call(this, PipelineOffload.after_step, name)
     if isinstance(pipe, Mapping):
         _MAPPINGS[id(pipe)] = pipeline
     else:
@@ -318,13 +363,15 @@ def save_pipeline(pipe: Any, path: Any) -> None:
     save_pipeline_profile(profiles, path, __version__)
 
 
-def _before_step(pipeline: weakref.ref[PipelineOffload], name: str) -> Any:
-    def before_step(engine: Any) -> None:
+def _pipeline_call(pipeline: weakref.ref[PipelineOffload], method: Any, name: str) -> Any:
+    """``method(pipeline, name)`` as an engine's callback, while the pipeline lives."""
+
+    def call(engine: Any) -> None:
         target = pipeline()
         if target is not None:
-            target.before_step(name)
+            method(target, name)
 
-    return before_step
+    return call
 
 
 def release_pipeline(pipe: Any, device: Any = None) -> Any:

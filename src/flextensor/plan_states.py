@@ -57,7 +57,12 @@ class PlanStates:
 
         def _enter(self, phase: Phase) -> None: ...
         def _lay_out(
-            self, streamed: list[Unit], resident: Any, arena_bytes: int, staged: Any = None
+            self,
+            streamed: list[Unit],
+            resident: Any,
+            arena_bytes: int,
+            staged: Any = None,
+            ahead: bool = False,
         ) -> None: ...
         def _lay_out_to_discover(self) -> None: ...
         def _finish_discovery(self, discovered: DiscoveryResult) -> None: ...
@@ -143,8 +148,9 @@ class PlanStates:
             self.recordings.pop(signature, None)
         return without_coding(measurements)
 
-    def _apply(self, entry: PlanEntry) -> None:
-        """Lay out ``entry``'s plan, remember it, and enter steady state; a failure leaves no layout."""
+    def _apply(self, entry: PlanEntry, ahead: bool = False) -> None:
+        """Lay out ``entry``'s plan, remember it, and enter steady state; a failure leaves no layout.
+        ``ahead``: see ``DeviceStore.lay_out``."""
         plan = entry.plan
         self.current = None
         self._lay_out(
@@ -152,6 +158,7 @@ class PlanStates:
             [self.units[n] for n in plan.resident],
             plan.arena_bytes,
             plan.staged,
+            ahead,
         )
         self.current = entry
         self.plans[entry.measurements.input_shapes] = entry

@@ -176,6 +176,7 @@ class DeviceStore:
         resident: Iterable[Unit],
         arena_bytes: int,
         staged: Collection[str] | None = None,
+        ahead: bool = False,
     ) -> None:
         """Give every unit its device bytes: own storage if resident, a range of the arena otherwise.
 
@@ -185,11 +186,27 @@ class DeviceStore:
         cached plans uploads only the units that enter residency. ``staged``: the streamed units a plan
         copies through the staging ring; the others are pinned as the host budget allows (None: the
         pinning stays as it is, for the learning phases' layouts).
+
+        ``ahead``: laid out while other work may still run on the device (a pipeline's next component,
+        see [Note: the next component ahead] in pipelines.py), from a store that holds no device bytes.
+        Nothing is synchronised; the memory is taken and the resident units uploaded on the copy stream,
+        so that neither waits for the compute queued before, nor reuses memory that compute still reads
+        (PyTorch's allocator hands a stream only blocks freed on that stream). The next forward must
+        make its compute stream wait for the copy stream before it reads the resident units.
         """
+        assert not (ahead and self.device_bytes_held()), "a layout ahead starts from a vacated store"
         # Device buffers are normal tensors even when a forward under inference_mode lays them out:
         # inference tensors carry no version counter, which in-place edits of weights are detected by.
         with torch.inference_mode(False), torch.no_grad():
-            self._lay_out(streamed, resident, arena_bytes, staged)
+            if not ahead:
+                self._lay_out(streamed, resident, arena_bytes, staged)
+                return
+            previous = self.runtime.current_stream()
+            self.runtime.set_stream(self.runtime.copy_stream)
+            try:
+                self._lay_out(streamed, resident, arena_bytes, staged, synchronize=False)
+            finally:
+                self.runtime.set_stream(previous)
 
     def _lay_out(
         self,
@@ -197,12 +214,14 @@ class DeviceStore:
         resident: Iterable[Unit],
         arena_bytes: int,
         staged: Collection[str] | None,
+        synchronize: bool = True,
     ) -> None:
         resident = set(resident)
         both = resident.intersection(streamed)
         if both:  # a hand-edited profile could say so; the planner never does
             raise PlanError(f"units both resident and streamed in one layout: {sorted(u.name for u in both)}")
-        self.runtime.synchronize()
+        if synchronize:
+            self.runtime.synchronize()
         for unit in self.units:
             if unit.resident and unit not in resident:
                 self._refresh_pack(unit)  # before its storage, maybe the only copy, is freed
