@@ -30,9 +30,9 @@ Everything else that reads a pack gets decoded bytes, a copy of its own each tim
 from device storage (a resident unit that streams again) is encoded again. Under a host budget a coded
 pack it cannot pin stays pageable and its pieces go through the staging ring (``Unit.staging``) into
 the staging slots. Not supported with coded packs (refused where set): shared host memory,
-``flextensor.editing``, vLLM's CUDA graphs. From a checkpoint (``offload(weights=)``), each pack is
-encoded once its read is done. A CUDA-graph capture records the loads like any copy
-(:meth:`CodedLoads.begin_capture`).
+``flextensor.editing``. From a checkpoint (``offload(weights=)``), each pack is encoded once its read
+is done. A CUDA-graph capture (``torch.cuda.graph``, reduce-overhead, vLLM's decode graphs) records the
+loads like any copy (:meth:`CodedLoads.begin_capture`).
 """
 
 from __future__ import annotations

@@ -85,10 +85,24 @@ def _encode_coded(
         dtype=dtype,
         shape=shape,
         chunk_elements=chunk_elements,
-        data=torch.cat([literal, *payloads, padding]).cpu(),
-        chunk_offsets=chunk_offsets.cpu(),
-        chunk_widths=chunk_widths.cpu(),
+        data=_to_host(torch.cat([literal, *payloads, padding])),
+        chunk_offsets=_to_host(chunk_offsets),
+        chunk_widths=_to_host(chunk_widths),
     )
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in pageable host memory. From a GPU through a page-locked bounce buffer (PyTorch's
+    caching host allocator reuses it for the next piece): a copy straight into pageable memory ran at
+    about 1.5 GB/s on the H200 machine and took most of an encode (benchmarks/codec_decode.py,
+    ``encode_breakdown``); the bounce copies at the link's rate, then a host memcpy."""
+    if tensor.device.type != "cuda":
+        return tensor.cpu()
+    bounce = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    bounce.copy_(tensor)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    host.copy_(bounce)
+    return host
 
 
 def _encode_symbols(symbols: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
