@@ -140,9 +140,38 @@ def test_log_level_info_shows_phase_lines(restore_logging: None, capsys: pytest.
 def test_default_is_quiet(restore_logging: None, capsys: pytest.CaptureFixture[str]) -> None:
     logger = configure_logging({})
     assert logger.level == logging.NOTSET and logger.getEffectiveLevel() >= logging.WARNING
-    assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
     _steady_spec_model()
     assert "flextensor" not in capsys.readouterr().err
+
+
+WARN_AND_INFO = (
+    "import logging, sys, flextensor\n"
+    "log = logging.getLogger('flextensor')\n"
+    "log.info('an info line')\n"
+    "log.warning('a warning, %s', 'formatted')\n"
+    "if len(sys.argv) > 1:\n"
+    "    logging.basicConfig(format='app: %(name)s %(message)s')\n"
+    "    log.warning('the application decides')\n"
+)
+
+
+def test_warnings_reach_stderr_when_the_application_configures_no_logging() -> None:
+    """A warning says flextensor gave something up: without FT_LOG_LEVEL and without any logging set up
+    by the application it still reaches stderr (once, saying whose it is), info lines do not; once the
+    application configures logging, its handlers alone show flextensor's records."""
+    env = {k: v for k, v in os.environ.items() if k != "FT_LOG_LEVEL"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    plain = subprocess.run([sys.executable, "-c", WARN_AND_INFO], capture_output=True, text=True, env=env)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stderr == "flextensor WARNING: a warning, formatted\n"
+    configured = subprocess.run(
+        [sys.executable, "-c", WARN_AND_INFO, "configure"], capture_output=True, text=True, env=env
+    )
+    assert configured.returncode == 0, configured.stderr
+    assert configured.stderr.splitlines() == [
+        "flextensor WARNING: a warning, formatted",
+        "app: flextensor the application decides",
+    ]
 
 
 def test_reconfiguring_replaces_handlers(restore_logging: None) -> None:
@@ -152,7 +181,8 @@ def test_reconfiguring_replaces_handlers(restore_logging: None) -> None:
     assert sum(isinstance(h, logging.StreamHandler) for h in logger.handlers) == 1
     configure_logging({})
     assert logger.level == logging.NOTSET
-    assert not any(type(h) is not logging.NullHandler for h in logger.handlers)
+    (fallback,) = logger.handlers  # warnings only, while the application configures no logging
+    assert fallback.level == logging.WARNING
 
 
 def test_invalid_log_level_warns_and_falls_back(

@@ -1,11 +1,13 @@
-"""The ``flextensor`` logger: silent unless asked, and never touching the root logger.
+"""The ``flextensor`` logger: warnings reach stderr, more only when asked; the root logger is never touched.
 
-:func:`configure_logging` runs once when flextensor is imported. The logger always gets a
-``NullHandler`` (so Python's last-resort handler never prints flextensor's records on its own). When the
-environment variable ``FT_LOG_LEVEL`` is set (``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``, ``CRITICAL``,
-any case, or a number), the logger takes that level and writes to stderr as
-``flextensor INFO: <message>``. Without it flextensor leaves the logger's level alone, so an application
-that configures logging itself decides what it sees, and one that does not sees warnings only.
+:func:`configure_logging` runs once when flextensor is imported. When the environment variable
+``FT_LOG_LEVEL`` is set (``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``, ``CRITICAL``, any case, or a number),
+the logger takes that level and writes to stderr as ``flextensor INFO: <message>``. Without it
+flextensor leaves the logger's level alone: an application that configures logging (a handler on the
+root logger, or on ``flextensor``) decides what it sees; in one that does not, warnings and errors still
+reach stderr, as ``flextensor WARNING: <message>`` (a warning is how flextensor says that it gave
+something up, e.g. compression for a budget, so it must not vanish; Python's own last-resort handler
+would print it too, without saying whose it is). Info lines stay quiet then.
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ def configure_logging(environ: Mapping[str, str] | None = None) -> logging.Logge
         logger.setLevel(logging.NOTSET)
         setattr(logger, _OURS, False)
 
-    null = logging.NullHandler()
-    setattr(null, _OURS, True)
-    logger.addHandler(null)
-
     raw = env.get(LOG_LEVEL_ENV_VAR)
     if raw is None or not raw.strip():
+        fallback = _WarningsWhenUnconfigured()
+        fallback.setFormatter(logging.Formatter(LOG_FORMAT))
+        setattr(fallback, _OURS, True)
+        logger.addHandler(fallback)
         return logger
     level = _parse_level(raw)
     # sys.stderr is looked up per record, not bound now, so pytest's capsys and redirections see it.
@@ -95,3 +97,22 @@ class _StderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value: object) -> None:
         pass  # StreamHandler.__init__ and setStream assign it; the live sys.stderr wins
+
+
+class _WarningsWhenUnconfigured(_StderrHandler):
+    """Warnings and errors to stderr, only while no other handler would get them: none on the
+    ``flextensor`` logger or its ancestors (an application that configures logging decides)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setLevel(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger: logging.Logger | None = logging.getLogger(LOGGER_NAME)
+        while logger is not None:
+            if any(not getattr(h, _OURS, False) for h in logger.handlers):
+                return
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        super().emit(record)
