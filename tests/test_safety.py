@@ -80,6 +80,38 @@ def _interrupted_forward(model: nn.Module, x: torch.Tensor, delay_s: float) -> b
     return hit
 
 
+def test_a_profiling_forward_interrupted_before_a_units_end_event_is_recorded_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C in a unit's post-hook between creating its end event and recording it (found by the sweep
+    below): the next forward closed the interrupted one by reading that event and raised PlanError."""
+    from flextensor.profiling import StepProfiler
+
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        ref = Stack()(x)
+    model = Stack()
+    flextensor.offload(model, streaming_config(model, ["layers.*"]))
+    with torch.no_grad():
+        model(x)  # discovery; the next forward profiles
+        assert flextensor.phase(model) == "profiling"
+    real_unit_end = StepProfiler.unit_end
+
+    def interrupted(self, unit: str) -> None:
+        call = self._open.pop(unit)
+        call.end = self.runtime.event(timing=True)  # created, never recorded
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StepProfiler, "unit_end", interrupted)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(x)
+    monkeypatch.setattr(StepProfiler, "unit_end", real_unit_end)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(model(x), ref)
+    assert flextensor.phase(model) == "inference"
+
+
 def test_any_forward_after_a_real_interrupt_anywhere_is_bitwise_right() -> None:
     """A seeded sweep of real signals over whole forwards, in every phase: the next forward is right.
 
