@@ -81,7 +81,9 @@ def largest_layout_and_peak(dim: int, dtype: torch.dtype, device: str, x: torch.
     ],
 )
 @torch.no_grad()
-def test_each_component_lays_the_next_one_out_at_the_end_of_its_run(device: str) -> None:
+def test_each_component_lays_the_next_one_out_at_the_end_of_its_run(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dim, dtype = (2048, torch.bfloat16) if device == "cuda" else (64, torch.float32)
     x = torch.randn(8192 if device == "cuda" else 4, dim, dtype=dtype, device=device)
     # Room for one component's step beside another's layout, not beside two.
@@ -99,13 +101,61 @@ def test_each_component_lays_the_next_one_out_at_the_end_of_its_run(device: str)
                 lambda module, args, name=name: seen[name].append(engine_of(module).laid_out), prepend=True
             )
         before, vacated = pipeline.laid_out_ahead, pipeline.vacated
+        ahead = watch_layouts_ahead(monkeypatch, cuda=device == "cuda")
         for _ in range(3):
             assert torch.equal(generation(parts, x), expected)
+        assert ahead and not any(a["synchronized"] for a in ahead), ahead  # no wait for the device
+        if device == "cuda":
+            assert all(a["on_copy_stream"] for a in ahead), ahead  # memory from the copy stream's blocks
+            assert any(a["compute_queued"] for a in ahead), ahead  # while the previous one still ran
         assert pipeline.vacated > vacated  # the three never fit at once: some give memory back
         assert pipeline.laid_out_ahead - before >= 6  # each run's end lays the next component out
         assert all(steps[0] for steps in seen.values()), seen  # in place before the first step of a run
     finally:
         flextensor.release(parts)
+
+
+def watch_layouts_ahead(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> list[dict[str, bool]]:
+    """Per layout ahead: whether it synchronised the device, allocated with the copy stream current, and
+    began while compute was still queued on the stream of the forward that just ended."""
+    from flextensor.device import DeviceRuntime
+    from flextensor.engine import OffloadEngine
+    from flextensor.slots import DeviceStore
+
+    seen: list[dict[str, bool]] = []
+    real_ahead, real_lay_out, real_sync = (
+        OffloadEngine.lay_out_ahead,
+        DeviceStore._lay_out,
+        DeviceRuntime.synchronize,
+    )
+
+    active: list[dict[str, bool]] = []  # the layout ahead under way, if one is
+
+    def lay_out_ahead(self) -> bool:
+        queued = cuda and not torch.cuda.current_stream().query()
+        active.append({"synchronized": False, "on_copy_stream": False, "compute_queued": queued})
+        try:
+            done = real_ahead(self)
+        finally:
+            watched = active.pop()
+        if done:
+            seen.append(watched)
+        return done
+
+    def lay_out(self, *args, **kwargs) -> None:
+        if active and cuda:
+            active[-1]["on_copy_stream"] = torch.cuda.current_stream() == self.runtime.copy_stream
+        real_lay_out(self, *args, **kwargs)
+
+    def synchronize(self) -> None:
+        if active:
+            active[-1]["synchronized"] = True
+        real_sync(self)
+
+    monkeypatch.setattr(OffloadEngine, "lay_out_ahead", lay_out_ahead)
+    monkeypatch.setattr(DeviceStore, "_lay_out", lay_out)
+    monkeypatch.setattr(DeviceRuntime, "synchronize", synchronize)
+    return seen
 
 
 def parts_pipeline(parts: dict[str, nn.Module]):

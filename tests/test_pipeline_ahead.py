@@ -3,6 +3,7 @@ component ahead] in pipelines.py), on the tiny two-expert Wan2.2 pipeline and th
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -58,12 +59,40 @@ def test_the_second_expert_is_in_place_when_the_switch_comes(references: dict[in
 
 @torch.no_grad()
 def test_generations_with_other_step_counts_stay_bitwise(references: dict[int, torch.Tensor]) -> None:
-    """A run longer or shorter than the last one makes the guess wrong: the component laid out ahead
-    waits, or the expected one never came; outputs are the same either way."""
+    """A run longer than the last one makes the guess wrong: the component laid out ahead is not the one
+    that runs next (it waits, or gives its memory back); outputs are the same either way."""
     pipe = offloaded_pipeline()
+    pipeline = pipe._flextensor_pipeline
     run_until_steady(pipe)
+    events: list[tuple[str, str]] = []  # ("ahead", component) and ("step", component), in order
+    for name in modules_of(pipe):
+        engine = engine_of(getattr(pipe, name))
+        engine.before_step = record_step(engine.before_step, name, events)
+        engine.after_step = record_ahead(engine.after_step, pipeline, name, events)
     for steps in (6, 2, 4, 4):
         assert torch.equal(run_wan_pipeline(pipe, steps), references[steps]), steps
+    wrong = [
+        laid for (kind, laid), (_, came) in itertools.pairwise(events) if kind == "ahead" and came != laid
+    ]
+    assert wrong, events  # the 6-step generation's longer transformer run: transformer_2 waited
+
+
+def record_step(callback, name: str, events: list):
+    def before_step(engine) -> None:
+        events.append(("step", name))
+        callback(engine)
+
+    return before_step
+
+
+def record_ahead(callback, pipeline, name: str, events: list):
+    def after_step(engine) -> None:
+        before = pipeline.laid_out_ahead
+        callback(engine)
+        if pipeline.laid_out_ahead > before:
+            events.append(("ahead", pipeline._runs[name][1]))
+
+    return after_step
 
 
 @torch.no_grad()
@@ -75,10 +104,9 @@ def test_a_layout_ahead_that_fails_is_warned_and_left_to_the_step(
     real_lay_out = DeviceStore.lay_out
 
     def lay_out(self, *args, **kwargs) -> None:
-        if kwargs.get("ahead", args[4] if len(args) > 4 else False):
-            real_lay_out(self, *args[:4])  # what it took is given back by the failure
-            raise torch.OutOfMemoryError("no room ahead")
         real_lay_out(self, *args, **kwargs)
+        if kwargs.get("ahead", args[4] if len(args) > 4 else False):
+            raise torch.OutOfMemoryError("no room ahead")  # after taking its memory: given back
 
     monkeypatch.setattr(DeviceStore, "lay_out", lay_out)
     before = pipe._flextensor_pipeline.laid_out_ahead

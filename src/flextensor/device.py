@@ -215,6 +215,14 @@ class DeviceRuntime:
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def fits_outside_cache(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` can be allocated on the device without the caching allocator freeing what it
+        caches (which waits for the device): the device's free memory, on CPU always."""
+        if not self.is_cuda:
+            return True
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free >= nbytes
+
     def total_memory(self) -> int | None:
         """What this process may allocate on the device (None on CPU, where it is not counted)."""
         if not self.is_cuda:

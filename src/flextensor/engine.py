@@ -78,6 +78,7 @@ class OffloadEngine(PlanStates):
         self.before_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's (pipelines.py)
         self.after_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's, on success
         self._laid_out_ahead = False  # the layout was made by lay_out_ahead, not yet waited for
+        self._ahead_failed = False  # a layout ahead failed once: not tried again
         self.hooks = ModelHooks(self)
         self.phase = Phase.DISCOVERY
         self.order: list[Unit] = []  # execution order, once discovered
@@ -155,20 +156,32 @@ class OffloadEngine(PlanStates):
         if (
             entry is None
             or self.laid_out
+            or self._ahead_failed
             or self.phase is not Phase.INFERENCE
             or self._check_next
             or self.bracket.running
             or self.editing is not None
+            or self.graphs.capturing()
+            or not self.runtime.fits_outside_cache(entry.plan.predicted_peak_bytes)
         ):
             return False
         try:
             self._apply(entry, ahead=True)
         except Exception as exc:  # an optimisation: the forward lays out as usual
-            logger.warning("laying the plan out ahead of the next forward failed (%s): it lays out then", exc)
+            logger.warning(
+                "laying the plan out ahead of the next forward failed (%s): it lays out at each forward "
+                "from now on",
+                exc,
+            )
+            self._ahead_failed = True
             self.store.vacate()
-            self.current, self.laid_out = entry, False
+            self.current, self.laid_out, self._laid_out_ahead = entry, False, False
             return False
         return True
+
+    def can_vacate(self) -> bool:
+        """Whether :meth:`vacate` would give device memory back now."""
+        return not (self.bracket.running or self.graphs.layout_kept)
 
     # -- forwards -----------------------------------------------------------------------------------------
 
@@ -184,9 +197,11 @@ class OffloadEngine(PlanStates):
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
         if self._laid_out_ahead:
-            # Resident units were uploaded on the copy stream (lay_out_ahead): read them after it.
+            # Resident units were uploaded on the copy stream (lay_out_ahead): read them after it. (A
+            # capture may not wait on work outside it; the uploads are complete by then anyway.)
             self._laid_out_ahead = False
-            self.runtime.current_stream().wait_stream(self.runtime.copy_stream)
+            if not self.graphs.capturing():
+                self.runtime.current_stream().wait_stream(self.runtime.copy_stream)
         if self.phase is Phase.PROFILING and self.learning.has_samples() and signature != self.signature:
             # Profiling the previous inputs was cut short by other ones (generate(): a prefill, then
             # decode steps) before it had all its forwards: plan those inputs from what was profiled,
@@ -413,7 +428,7 @@ class OffloadEngine(PlanStates):
             return 0
         held = self.store.device_bytes_held()
         self.store.vacate()
-        self.laid_out = False
+        self.laid_out = self._laid_out_ahead = False
         self.watch.arm(self.units.values())
         return held
 

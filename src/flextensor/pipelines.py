@@ -28,9 +28,18 @@ is laid out at once (``OffloadEngine.lay_out_ahead``), while the device still ru
 its resident units upload and its first streamed units copy on its copy stream, so its first step
 starts with them in place (``transformer_2`` ready when the switch comes). Only when its planned peak
 fits the budget beside what the finishing component holds (after the others gave memory back as at a
-step): a layout ahead never makes the finishing component give its memory back, which would wait for
-the device. Under a budget that holds one component at a time it lays out at its step, as before. A
-wrong guess (a generation with more steps) costs memory the next step may take back, not correctness.
+step, which waits for the device as it would then): a layout ahead never makes the finishing component
+give its memory back. Under a budget that holds one component at a time it lays out at its step, as
+before. A wrong guess (a generation with more steps) costs memory the next step may take back, not
+correctness.
+
+The memory of a layout ahead is taken with the copy stream current: PyTorch's caching allocator hands a
+stream only blocks freed on it, so the finishing component's queued compute can never see them written.
+The price: once that component gives its layout back, those blocks stay cached for its copy stream, so
+the allocator's reserved memory can exceed the budget by the layouts of the components laid out ahead
+(allocated memory, what the budget bounds, does not). A layout ahead is skipped when the device has not
+that much free outside the cache (``torch.cuda.mem_get_info``): freeing the cache would wait for the
+device, which is what the layout ahead avoids.
 """
 
 from __future__ import annotations
@@ -227,13 +236,19 @@ class PipelineOffload:
         engine = self.engine(following)
         if engine.laid_out or engine.planned_peak_bytes() is None:
             return  # in place already, or still learning (its layout is the forward's to make)
-        if self._make_room(following, keep=name) and engine.lay_out_ahead():
-            self.laid_out_ahead += 1
-            logger.debug("pipeline: %s laid out ahead, at the end of %s's run", following, name)
+        try:
+            if self._make_room(following, keep=name) and engine.lay_out_ahead():
+                self.laid_out_ahead += 1
+                logger.debug("pipeline: %s laid out ahead, at the end of %s's run", following, name)
+        except Exception as exc:  # an optimisation: the step that succeeded must not fail for it
+            logger.warning(
+                "pipeline: laying %s out ahead failed (%s); it lays out at its step", following, exc
+            )
 
     def _make_room(self, name: str, keep: str | None) -> bool:
         """Make the others give back device memory until ``name``'s planned peak fits the budget beside
-        what stays held, the least recently run first; never ``keep``. Whether it fits."""
+        what stays held, the least recently run first; never ``keep`` (and then nothing, unless that
+        makes it fit). Whether it fits."""
         starting = self.engine(name)
         limit = self.budget_bytes if self.budget_bytes is not None else starting.policy.memory_limit()
         if limit is None:
@@ -245,6 +260,10 @@ class PipelineOffload:
         never_ran = [n for n in self.components if n not in self._last_run and n != name]
         others = [(n, self.engine(n)) for n in (*never_ran, *self._last_run) if n != name]
         held = sum(e.store.device_bytes_held() for _, e in others)
+        if keep is not None:
+            staying = sum(e.store.device_bytes_held() for n, e in others if n == keep or not e.can_vacate())
+            if staying + need > limit:
+                return False  # giving memory back would not make room: give none back for nothing
         for other_name, other in others:
             if held + need <= limit:
                 break

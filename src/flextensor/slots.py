@@ -187,12 +187,10 @@ class DeviceStore:
         copies through the staging ring; the others are pinned as the host budget allows (None: the
         pinning stays as it is, for the learning phases' layouts).
 
-        ``ahead``: laid out while other work may still run on the device (a pipeline's next component,
-        see [Note: the next component ahead] in pipelines.py), from a store that holds no device bytes.
-        Nothing is synchronised; the memory is taken and the resident units uploaded on the copy stream,
-        so that neither waits for the compute queued before, nor reuses memory that compute still reads
-        (PyTorch's allocator hands a stream only blocks freed on that stream). The next forward must
-        make its compute stream wait for the copy stream before it reads the resident units.
+        ``ahead``: from a store holding no device bytes, while other work may still run (see [Note: the
+        next component ahead] in pipelines.py): no synchronise; memory taken and residents uploaded with
+        the copy stream current, so nothing waits for, or reuses memory of, compute queued before. The
+        next forward's compute must wait for the copy stream.
         """
         assert not (ahead and self.device_bytes_held()), "a layout ahead starts from a vacated store"
         # Device buffers are normal tensors even when a forward under inference_mode lays them out:
@@ -482,6 +480,7 @@ class DeviceStore:
 
     def free_everything(self) -> None:
         """Let go of the arena, every storage and every pack (after the parameters got their own copies)."""
+        self.runtime.synchronize()  # a layout ahead's blocks go back to the copy stream, which may write
         self.host.free()  # first: the disk readers still read into the packs' files
         # The coded loads' views hold the arena, the slots and every coded pack; packs point back at them.
         self.drop_coded_loads()
