@@ -153,6 +153,7 @@ class OffloadEngine(PlanStates):
         pipelines.py). Only from steady state with nothing laid out; True when it was laid out. A
         failure (out of memory) is logged and leaves the layout to the next forward."""
         entry = self.current
+        units = self.units
         if (
             entry is None
             or self.laid_out
@@ -162,7 +163,9 @@ class OffloadEngine(PlanStates):
             or self.bracket.running
             or self.editing is not None
             or self.graphs.capturing()
-            or not self.runtime.fits_outside_cache(entry.plan.predicted_peak_bytes)
+            or not self.runtime.fits_outside_cache(
+                entry.plan.arena_bytes + sum(units[n].nbytes for n in entry.plan.resident if n in units)
+            )
         ):
             return False
         try:
@@ -424,7 +427,7 @@ class OffloadEngine(PlanStates):
         """Give back the device bytes held for units while another component of a pipeline runs; the
         next forward lays its plan out again (re-uploading resident units). Returns the bytes freed: 0
         while a forward runs, when nothing is laid out, or once a CUDA graph holds the layout's addresses."""
-        if self.bracket.running or not self.laid_out or self.graphs.layout_kept:
+        if not self.laid_out or not self.can_vacate():
             return 0
         held = self.store.device_bytes_held()
         self.store.vacate()
