@@ -641,3 +641,23 @@ def test_a_run_from_a_profile_encodes_only_the_units_its_plan_loads_compressed(
     assert all(not isinstance(engine.units[name].pack, CodedPack) for name in plan.resident)
     assert engine.current.plan.coded == plan.coded  # type: ignore[union-attr]
     streams_bit_for_bit(again, reference, forwards=3)
+
+
+def test_a_pack_decoded_through_a_device_gives_its_raw_bytes(small_pieces: None) -> None:
+    """``CodedPack.decode_through``, the way a compressed unit is uploaded to resident storage on a GPU
+    (and held raw again): piece by piece into a device tensor. Here the CPU is the device; the GPU
+    variant runs in tests/test_codec_gpu.py through the uploads of resident units."""
+    from flextensor.host_store import pack_layout
+
+    torch.manual_seed(0)
+    weights = [(torch.randn(96, 128) / 12).to(torch.bfloat16), torch.randn(40)]  # a float32 tail too
+    entries, nbytes = pack_layout([(f"w{i}", w) for i, w in enumerate(weights)])
+    raw = torch.zeros(nbytes, dtype=torch.uint8)
+    for entry, weight in zip(entries, weights, strict=True):
+        raw[entry.offset : entry.offset + entry.nbytes].copy_(weight.reshape(-1).view(torch.uint8))
+    pack = CodedPack.encode("unit", entries, raw)
+    assert len(pack.pieces) > 1
+    out = torch.full((nbytes,), 7, dtype=torch.uint8)
+    pack.decode_through(torch.device("cpu"), out)
+    assert torch.equal(out, raw)
+    pack.free()

@@ -167,6 +167,19 @@ class CodedPack(UnitPack):
             )
             decode(encoded, out=out[piece.raw_start : piece.raw_start + piece.raw_nbytes].view(self.dtype))
 
+    def decode_through(self, device: torch.device, out: torch.Tensor) -> None:
+        """Decode into ``out`` (the unit's raw bytes, on ``device`` or on the host) through ``device``,
+        a piece at a time on the current stream: each piece's bytes copied there, decoded straight into
+        ``out`` when it is on the device, else into a buffer copied back (which waits for the decode)."""
+        on_device = out.device.type == device.type
+        for piece in self.pieces:
+            data = self._buffer[piece.start : piece.start + piece.nbytes].to(device)
+            target = out[piece.raw_start : piece.raw_start + piece.raw_nbytes]
+            decoded = target if on_device else torch.empty(piece.raw_nbytes, dtype=torch.uint8, device=device)
+            decode(piece.encoded(data, self.dtype, self.chunk_elements), out=decoded.view(self.dtype))
+            if not on_device:
+                target.copy_(decoded)
+
     # -- everything else reads decoded bytes ---------------------------------------------------------------
 
     @property

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .codec import decode
 from .coded_packs import CodedPack, coded_dtype
 from .device import DeviceRuntime
 from .host_store import UnitPack
@@ -169,7 +168,7 @@ def hold_uncompressed(store: DeviceStore) -> None:
         raw = UnitPack(unit.name, unit.entries, pack.nbytes, False)  # the host budget pins it
         try:
             if runtime.is_cuda:
-                _decode_on_device(pack, raw.buffer, runtime.device)
+                pack.decode_through(runtime.device, raw.buffer)
             else:
                 pack.decode_into(pack.copy_source, raw.buffer)
         except BaseException:
@@ -180,16 +179,6 @@ def hold_uncompressed(store: DeviceStore) -> None:
         store.host.admit(unit, store.units)
     store.drop_coded_loads()  # their staging slots serve no pack now
     logger.info("compressed packs held uncompressed again: every unit is copied as it is")
-
-
-def _decode_on_device(pack: CodedPack, out: torch.Tensor, device: torch.device) -> None:
-    """Decode ``pack`` into ``out`` (host memory) through ``device``, one piece at a time."""
-    source = pack.copy_source
-    for piece in pack.pieces:
-        data = source[piece.start : piece.start + piece.nbytes].to(device)
-        decoded = torch.empty(piece.raw_nbytes, dtype=torch.uint8, device=device)
-        decode(piece.encoded(data, pack.dtype, pack.chunk_elements), out=decoded.view(pack.dtype))
-        out[piece.raw_start : piece.raw_start + piece.raw_nbytes].copy_(decoded)  # waits for the decode
 
 
 def recode(unit: Unit, encode_on: torch.device | None) -> None:
