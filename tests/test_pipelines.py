@@ -32,7 +32,8 @@ def modules_of(pipe) -> dict[str, nn.Module]:
 
 def tightest_budget(pipe) -> int:
     """Two of the largest units in flight of the component that needs most: every unit of that
-    component streams, and no two components fit the budget together. Of a pipeline not offloaded."""
+    component streams, and it fits beside no other (the tiny Wan pipeline's VAE; its two transformers,
+    whose blocks are much smaller, fit together). Of a pipeline not offloaded."""
     needs = []
     modules = pipe.values() if isinstance(pipe, dict) else modules_of(pipe).values()
     for module in modules:
