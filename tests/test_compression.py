@@ -81,6 +81,22 @@ def test_compressed_streaming_is_bit_for_bit(fast_decoder: None) -> None:
     assert report.decode_staging_bytes == engine.store.coded_loads.nbytes > 0  # type: ignore[union-attr]
 
 
+def test_a_default_device_set_by_the_caller_changes_nothing(fast_decoder: None) -> None:
+    """vLLM offloads while its device is PyTorch's default one: host tensors (packs, encoder and decoder
+    temporaries, the encoder's pinned bounce buffer) must say they are on the CPU. The meta device stands in
+    for the GPU: a host tensor made without saying so would be a meta one here."""
+    inputs = llama_inputs()
+    with torch.no_grad():
+        want = bf16_llama()(inputs).logits
+    model = bf16_llama()
+    with torch.device("meta"), torch.no_grad():
+        compressed(model)
+        outs = [model(inputs).logits for _ in range(5)]
+    assert flextensor.phase(model) == "inference"
+    assert all(torch.equal(out, want) for out in outs)
+    assert all(isinstance(u.pack, CodedPack) for u in engine_of(model).units.values())
+
+
 def test_the_weights_read_back_are_the_originals(fast_decoder: None) -> None:
     reference = bf16_llama()
     model = compressed(bf16_llama())

@@ -372,7 +372,7 @@ def _read_tensor(
     load: CheckpointLoad, fds: dict[Path, int], tensor: torch.Tensor, device: torch.device
 ) -> torch.Tensor:
     source = load.source_of(tensor)
-    host = torch.empty(source.shape, dtype=source.dtype)
+    host = torch.empty(source.shape, dtype=source.dtype, device="cpu")
     if source.nbytes:
         _read_into(fds[source.file], source, memoryview(host.reshape(-1).view(torch.uint8).numpy()))
     return host if device.type == "cpu" else host.to(device)

@@ -185,7 +185,7 @@ class CodedPack(UnitPack):
     @property
     def buffer(self) -> torch.Tensor:
         """The unit's raw bytes, decoded on the host into a new tensor (a one-off: an upload, a release)."""
-        raw = torch.empty(self.nbytes, dtype=torch.uint8)
+        raw = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu")
         self.decode_into(self._buffer, raw)
         return raw
 

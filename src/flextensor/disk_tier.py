@@ -187,7 +187,7 @@ class DiskPack(UnitPack):
     def buffer(self) -> torch.Tensor:
         """The unit's bytes in pack layout, read from the file into a new pageable tensor (a one-off:
         an upload to resident storage, a link probe)."""
-        whole = torch.zeros(self.nbytes, dtype=torch.uint8)
+        whole = torch.zeros(self.nbytes, dtype=torch.uint8, device="cpu")
         self.fill(whole, 0)
         return whole
 
@@ -201,7 +201,7 @@ class DiskPack(UnitPack):
     def view(self, entry: PackedParameter) -> torch.Tensor:
         """``entry``'s weights viewing the checkpoint file (copy-on-write: a write never reaches the file)."""
         if entry.numel == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
+            return torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
         assert self.files is not None, f"the disk pack of unit {self.unit!r} was freed"
         source = self._source_at[entry.offset]
         flat = torch.frombuffer(
@@ -275,7 +275,7 @@ class DiskReadAhead:
     def __init__(self, buffer_bytes: int) -> None:
         self.buffer_bytes = buffer_bytes
         count = READ_AHEAD if buffer_bytes else 0  # no room beside the ring: every read is inline
-        self._free = [torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(count)]
+        self._free = [torch.empty(buffer_bytes, dtype=torch.uint8, device="cpu") for _ in range(count)]
         self._pending: dict[DiskPack, tuple[list[Future], torch.Tensor]] = {}
         self._next: dict[DiskPack, DiskPack] = {}
         self._parked: list[tuple[list[Future], torch.Tensor]] = []  # see _give_back

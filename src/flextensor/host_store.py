@@ -311,7 +311,7 @@ class UnitPack:
         shared between processes the view is copy-on-write: writing to it changes this process's tensor
         only, never the weights other processes read."""
         if entry.numel == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
+            return torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
         self.wait_read()
         if self._owner is not None:
             flat = self._owner.standalone(self._owner_offset + entry.offset, entry.numel, entry.dtype)

@@ -177,7 +177,7 @@ def measure_copy(
     import torch
 
     dev = _cuda_device(device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
     host.fill_(1)  # touch every page, so page faults are not timed as copy time
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     src, dst = (host, gpu) if direction == "host_to_device" else (gpu, host)
@@ -209,7 +209,7 @@ def measure_staged_copy(
     runtime = DeviceRuntime(dev)
     slot, slots = staging_layout(nbytes)
     ring = StagingRing(slot, slots, runtime, pin=True)
-    host = torch.empty(nbytes, dtype=torch.uint8)
+    host = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     host.fill_(1)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     stream = runtime.copy_stream
@@ -305,7 +305,7 @@ def measure_pin_memory(nbytes: int, repeats: int = PIN_REPEATS) -> PinMeasuremen
     import torch
 
     _cuda_device("cuda")
-    source = torch.empty(nbytes, dtype=torch.uint8)
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     source.fill_(1)
     # Without emptying torch's pinned-block cache, every call after the first reuses one block.
     empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)

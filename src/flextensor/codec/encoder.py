@@ -98,9 +98,9 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     ``encode_breakdown``); the bounce copies at the link's rate, then a host memcpy."""
     if tensor.device.type != "cuda":
         return tensor.cpu()
-    bounce = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    bounce = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
     bounce.copy_(tensor)
-    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     host.copy_(bounce)
     return host
 

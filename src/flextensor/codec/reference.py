@@ -22,6 +22,11 @@ def decode_reference(encoded: EncodedTensor, out: torch.Tensor | None = None) ->
     """Decode a CPU-resident ``encoded`` into ``out`` (a new tensor if None) and return it."""
     if encoded.data.device.type != "cpu":
         raise CodecError(f"the reference decoder reads CPU streams; this one is on {encoded.data.device}")
+    with torch.device("cpu"):  # its temporaries, whatever default device the caller set (vLLM sets one)
+        return _decode_reference(encoded, out)
+
+
+def _decode_reference(encoded: EncodedTensor, out: torch.Tensor | None) -> torch.Tensor:
     encoded.check()
     out = _output_for(encoded, out)
     flat = out.view(-1)
