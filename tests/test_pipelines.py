@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import flextensor
+from flextensor.api import engine_of
 from flextensor.errors import (
     ConfigError,
     NotOffloadedError,
@@ -237,6 +238,46 @@ def test_a_mapping_of_modules_is_a_pipeline() -> None:
     assert flextensor.phase(parts) == "inference"
     flextensor.release(parts)
     assert torch.equal(parts["second"](parts["first"](x)), expected)
+
+
+@torch.no_grad()
+def test_a_component_plans_again_when_the_memory_outside_it_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A component plans in the first generation; by a later one its caller may hold more on the device
+    (the last generation's frames): before its step it plans again when its plan would no longer fit the
+    budget beside what is there now. The allocator's counters are the CUDA ones: on the CPU engine the
+    memory outside the first component is faked, and the link modelled slow so that plans keep units
+    resident where they fit."""
+    from flextensor import api
+    from flextensor.measurements import LinkModel
+
+    real_probe = api.probe_links
+    monkeypatch.setattr(
+        api, "probe_links", lambda store, arena: (LinkModel.constant(1e6), real_probe(store, arena)[1])
+    )
+    torch.manual_seed(0)
+    parts = {name: nn.Sequential(*(nn.Linear(64, 64) for _ in range(6))) for name in ("first", "second")}
+    x = torch.randn(2, 64)
+    expected = parts["second"](parts["first"](x))
+    config = flextensor.OffloadConfig(device="cpu", include_patterns=["first.*", "second.*"],
+                                      gpu_memory_budget="1MiB")  # fmt: skip
+    flextensor.offload(parts, config)
+    for _ in range(4):
+        assert torch.equal(parts["second"](parts["first"](x)), expected)
+    engine = engine_of(parts["first"])
+    planned = engine.current
+    assert flextensor.phase(parts) == "inference" and len(planned.plan.resident) == 6  # room for all
+    limit = engine.policy.memory_limit()
+    outside = planned.measurements.baseline_bytes + (limit - planned.plan.predicted_peak_bytes) + 4096
+    monkeypatch.setattr(
+        engine.store.runtime, "memory_allocated", lambda: outside + engine.store.device_bytes_held()
+    )
+    assert torch.equal(parts["second"](parts["first"](x)), expected)
+    again = engine.current
+    assert again is not planned and again.measurements.baseline_bytes == outside
+    assert again.plan.predicted_peak_bytes <= limit and again.plan.streamed  # less room: some stream
+    assert torch.equal(parts["second"](parts["first"](x)), expected)
+    assert engine.current is again  # planned once: what is outside did not grow again
+    flextensor.release(parts)
 
 
 @torch.no_grad()

@@ -7,8 +7,10 @@ text encoder, then the transformer's steps, Wan2.2's second expert for the low-n
 so the device memory they hold can be shared between those phases: before a component's step begins, the
 pipeline makes the others give back the device bytes they hold for their units, least recently run
 first, until what stays held plus the starting component's planned peak fits the budget. The peak is
-then the largest phase, not the sum of the components. A component given back lays its plan out again at
-its next step (its resident units are uploaded again), so components keep their host copies
+then the largest phase, not the sum of the components. The budget counts what the caller holds too: a
+component planned in the first generation plans again before a step at which what is allocated outside
+it grew past what its plan left room for (``plan_again_if_crowded``). A component given back lays its
+plan out again at its next step (its resident units are uploaded again), so components keep their host copies
 (``DeviceStore.keep_packs``). A component that runs every step beside another (a ControlNet) stays laid
 out as long as both fit.
 
@@ -226,6 +228,7 @@ class PipelineOffload:
             self._last_run.remove(name)
         self._make_room(name, keep=None)
         self._last_run.append(name)
+        self.engine(name).plan_again_if_crowded()  # the caller's tensors may have grown since it planned
 
     def after_step(self, name: str) -> None:
         """Component ``name`` ended a step: lay out the one expected next if this ends its run."""

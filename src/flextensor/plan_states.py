@@ -11,6 +11,7 @@ the plan in place and the inputs it serves, the store, the policy and the learni
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .discovery import DiscoveryResult
@@ -128,6 +129,26 @@ class PlanStates:
         # A recording made under an earlier plan for these inputs is dropped: the next step records.
         self.recordings.pop(self.signature, None)
         logger.info("plan: %s", plan.summary())
+
+    def plan_again_if_crowded(self) -> bool:
+        """Plan again, from the same measurements, when the device memory outside this model grew since
+        its plan was made so much that the plan's peak no longer fits its limit: a pipeline's component
+        plans in the first generation, before its caller holds the generation's output or the components
+        beside it hold their steady layouts. Reads the allocator's counters (no device sync) and plans
+        only then; a pipeline asks before each step. Whether it planned. (A model that no longer fits at
+        all raises BudgetError here, its plan left in place.)"""
+        entry, limit = self.current, self.policy.memory_limit()
+        if entry is None or limit is None or self.phase is not Phase.INFERENCE or self.graphs.layout_kept:
+            return False
+        outside = self.store.runtime.memory_allocated() - self.store.device_bytes_held()
+        grown = outside - entry.measurements.baseline_bytes
+        if grown <= 0 or entry.plan.predicted_peak_bytes + grown <= limit:
+            return False
+        logger.info(
+            "plan again: %d more bytes outside this model than when it was planned (now %d)", grown, outside
+        )
+        self.install_plan(replace(entry.measurements, baseline_bytes=outside))
+        return True
 
     def _streams_coded_packs(self, plan: Plan) -> bool:
         return any((pack := self.units[name].pack) is not None and pack.coded for name in plan.streamed)
