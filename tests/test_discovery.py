@@ -157,3 +157,49 @@ def test_a_forward_that_raises_does_not_count_as_a_learning_forward() -> None:
     assert_all_equal(run_forwards(model, x, LEARN), ref)
     assert flextensor.phase(model) == "inference"
     assert flextensor.offload_units(model) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_a_tied_weight_read_outside_its_unit_is_kept_resident_by_discovery() -> None:
+    """Llama's tied head: `lm_head` is a unit, `model.embed_tokens` (outside every unit) reads the same
+    matrix first in every forward. Selection streams it with `lm_head`; discovery sees the read and keeps it
+    resident, the outputs bit for bit."""
+    pytest.importorskip("transformers")
+    from real_models import llama_inputs, tiny_llama
+
+    reference = tiny_llama()
+    model = tiny_llama()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = flextensor.offload(model, streaming_config(model, ["model.layers.*", "lm_head"]))
+    assert "model.embed_tokens.weight" in flextensor.offloaded_parameters(model)
+    inputs = llama_inputs()
+    with torch.no_grad():
+        want = reference(inputs).logits
+        outs = [model(inputs).logits for _ in range(LEARN)]
+    assert all(torch.equal(out, want) for out in outs)
+    assert "model.embed_tokens.weight" in flextensor.resident_parameters(model)
+    assert flextensor.phase(model) == "inference"
+
+
+def test_a_tied_weight_whose_other_holder_never_runs_streams() -> None:
+    """UMT5's encoder: `shared` and `encoder.embed_tokens` hold one matrix, and only the second runs. The
+    embedding streams as a unit (a 2.1 GB matrix in UMT5-XXL, which would otherwise stay on the device)."""
+    pytest.importorskip("transformers")
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        config = UMT5Config(vocab_size=512, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_heads=2)
+        return UMT5EncoderModel(config).eval()
+
+    reference = build()
+    model = build()
+    assert model.shared.weight is model.encoder.embed_tokens.weight
+    model = flextensor.offload(model, streaming_config(model, ["encoder.block.*", "encoder.embed_tokens"]))
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(ids).last_hidden_state
+        outs = [model(ids).last_hidden_state for _ in range(LEARN)]
+    assert all(torch.equal(out, want) for out in outs)
+    assert flextensor.phase(model) == "inference"
+    assert "shared.weight" in flextensor.offloaded_parameters(model)
+    assert "encoder.embed_tokens" in flextensor.offload_units(model)
