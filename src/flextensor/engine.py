@@ -199,6 +199,7 @@ class OffloadEngine(PlanStates):
         refuse_forward_over_edits(self)
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
+            self.plan_again_if_crowded(signature)  # its caller may hold more than when it planned
         if self._laid_out_ahead:
             # Resident units were uploaded on the copy stream (lay_out_ahead): read them after it. (A
             # capture may not wait on work outside it; the uploads are complete by then anyway.)

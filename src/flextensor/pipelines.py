@@ -228,7 +228,6 @@ class PipelineOffload:
             self._last_run.remove(name)
         self._make_room(name, keep=None)
         self._last_run.append(name)
-        self.engine(name).plan_again_if_crowded()  # the caller's tensors may have grown since it planned
 
     def after_step(self, name: str) -> None:
         """Component ``name`` ended a step: lay out the one expected next if this ends its run."""

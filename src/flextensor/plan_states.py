@@ -130,14 +130,14 @@ class PlanStates:
         self.recordings.pop(self.signature, None)
         logger.info("plan: %s", plan.summary())
 
-    def plan_again_if_crowded(self) -> bool:
-        """Plan again, from the same measurements, when the device memory outside this model grew since
-        its plan was made so much that the plan's peak no longer fits its limit: a pipeline's component
-        plans in the first generation, before its caller holds the generation's output or the components
-        beside it hold their steady layouts. Reads the allocator's counters (no device sync) and plans
-        only then; a pipeline asks before each step. Whether it planned. (A model that no longer fits at
-        all raises BudgetError here, its plan left in place.)"""
-        entry, limit = self.current, self.policy.memory_limit()
+    def plan_again_if_crowded(self, signature: tuple[str, ...]) -> bool:
+        """Plan the inputs ``signature`` again, from the same measurements, when the device memory outside
+        this model grew since their plan was made so much that the plan's peak no longer fits its limit: a
+        pipeline's component plans in the first generation, before its caller holds the generation's
+        output or the components beside it hold their steady layouts. Reads the allocator's counters (no
+        device sync) and plans only then; a pipeline's component asks before each step. Whether it
+        planned. (A model that no longer fits at all raises BudgetError here, its plans left as they were.)"""
+        entry, limit = self.plans.get(signature), self.policy.memory_limit()
         if entry is None or limit is None or self.phase is not Phase.INFERENCE or self.graphs.layout_kept:
             return False
         outside = self.store.runtime.memory_allocated() - self.store.device_bytes_held()
