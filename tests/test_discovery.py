@@ -11,7 +11,6 @@ from torch import nn
 
 import flextensor
 from engine_helpers import CPU, LEARN, assert_all_equal, run_forwards
-from flextensor.errors import UnsupportedOperationError
 from streaming import streaming_config
 
 
@@ -207,57 +206,3 @@ def test_a_tied_weight_whose_other_holder_never_runs_streams() -> None:
     flextensor.release(model)  # one matrix again, with its values
     assert model.shared.weight is model.encoder.embed_tokens.weight
     assert torch.equal(model.shared.weight, reference.shared.weight)
-
-
-class HeadSometimes(nn.Module):
-    """An embedding tied to a head outside every unit that only some calls run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(64, 16)
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-        self.head = nn.Linear(16, 64, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor, logits: bool = False) -> torch.Tensor:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x) if logits else x
-
-
-def test_a_tied_holder_that_did_not_run_while_learning_raises_rather_than_read_the_arena() -> None:
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = HeadSometimes()(ids, logits=True)
-        model = HeadSometimes()
-        model = flextensor.offload(model, streaming_config(model, ["embed", "layers.*"]))
-        outs = [model(ids) for _ in range(LEARN)]  # the head never runs while it learns
-        assert flextensor.phase(model) == "inference" and "embed.weight" in flextensor.offloaded_parameters(
-            model
-        )
-        assert all(torch.equal(out, HeadSometimes()(ids)) for out in outs)
-        with pytest.raises(UnsupportedOperationError, match=r"exclude_patterns=\['embed.weight'\]"):
-            model(ids, logits=True)
-        flextensor.release(model)
-        assert not model.head._forward_pre_hooks
-        model = HeadSometimes()
-        model = flextensor.offload(model, streaming_config(model, ["embed", "layers.*"], ["embed.weight"]))
-        run_forwards(model, ids, LEARN)
-        assert torch.equal(model(ids, logits=True), want)  # as the error says: resident, and right
-
-
-def test_a_tied_holder_that_ran_while_learning_loses_its_hook() -> None:
-    """The head runs in discovery and reads the tied weight: discovery keeps it resident, and the head's
-    guard goes (a hooked module takes PyTorch's slower call path)."""
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = HeadSometimes()(ids, logits=True)
-        model = HeadSometimes()
-        model = flextensor.offload(model, streaming_config(model, ["embed", "layers.*"]))
-        assert model.head._forward_pre_hooks  # guarded while the model learns
-        outs = [model(ids, logits=True) for _ in range(LEARN)]
-    assert all(torch.equal(out, want) for out in outs)
-    assert "embed.weight" in flextensor.resident_parameters(model)
-    assert not model.head._forward_pre_hooks

@@ -115,13 +115,10 @@ def offload(
         packing.move_resident_to(target.device)
         resident = {name: "not selected for offloading" for name in selection.resident_parameters}
         resident.update(selection.resident_reasons)
-        engine = OffloadEngine(
-            model, config, target, units, resident, entry_methods, selection.outside_holders
-        )
+        engine = OffloadEngine(model, config, target, units, resident, entry_methods)
         engine.store.set_host_budget(HostBudget(target.host_budget_bytes, target.runtime, target.pin))
         packing.on_undo(engine.store.host.free)
         packing.on_undo(engine.hooks.detach)
-        packing.on_undo(engine.tied.detach)
         packing.on_undo(engine.unguard_parameters)
         packing.on_undo(lambda: unmark_offloaded(model))
         packing.on_undo(lambda: model.__dict__.pop(_ENGINE_ATTR, None))

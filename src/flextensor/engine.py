@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +41,6 @@ from .steady import (
     profiler_running,
     steady_step,
 )
-from .tied_holders import TiedHolders
 from .timeline import StepRecorder
 from .units import Placement, Unit
 from .weight_access import StreamedWeights
@@ -63,7 +62,6 @@ class OffloadEngine(PlanStates):
         units: list[Unit],
         resident_reasons: dict[str, str],
         entry_methods: tuple[str, ...] = (),
-        tied_holders: Mapping[str, tuple[str, ...]] | None = None,
     ) -> None:
         from .hooks import ForwardBracket, ModelHooks  # hooks.py types its controller by protocol only
 
@@ -82,8 +80,6 @@ class OffloadEngine(PlanStates):
         self._laid_out_ahead = False  # the layout was made by lay_out_ahead, not yet waited for
         self._ahead_failed = False  # a layout ahead failed once: not tried again
         self.hooks = ModelHooks(self)
-        learning = weakref.WeakMethod(self._learning_forward)  # no cycle: see ModelHooks
-        self.tied = TiedHolders(model, tied_holders or {}, self.owner_of, lambda: bool(learning()()))
         self.phase = Phase.DISCOVERY
         self.order: list[Unit] = []  # execution order, once discovered
         self.link: LinkModel | None = None
@@ -125,7 +121,6 @@ class OffloadEngine(PlanStates):
         """Lay every unit out for discovery and hook the model (``offload()`` calls this once)."""
         self._lay_out_to_discover()
         self.hooks.attach()
-        self.tied.attach()
         guard_parameters(self)
         self._enter(Phase.DISCOVERY)
 
@@ -269,10 +264,6 @@ class OffloadEngine(PlanStates):
         assumed, guaranteed = self.graphs.capture_plan(streamed, self.store.owner)
         return CapturedStep(self.store, streamed[-1] if streamed else None, assumed, guaranteed)
 
-    def _learning_forward(self) -> bool:
-        """Whether the forward running watches every weight read (discovery, a profile's check)."""
-        return isinstance(self.step, (DiscoveryStep, CheckedStep))
-
     def runs_eager(self) -> bool:
         """Whether the forward now running needs eager Python around every torch call (discovery, a
         checking forward), so must run uncompiled (see [Note: compiled hot path] in compiled.py)."""
@@ -330,7 +321,6 @@ class OffloadEngine(PlanStates):
             driver.recorder.finish()
             self._keep_recording(driver.recorder)
             self._after_check(result)
-            self.tied.learned()
         elif isinstance(driver, ProfilingStep):
             if error is None:
                 # Only a whole forward is read: one interrupted between creating a unit's end event and
@@ -391,7 +381,6 @@ class OffloadEngine(PlanStates):
                 ", ".join(u.name for u in idle[:5]),
             )
         self.order = [u for u in discovered.order if u.name in self.units]
-        self.tied.learned()
         self._lay_out_to_profile()
 
     def keep_parameter_resident(self, param_id: int, reason: str) -> None:
@@ -463,7 +452,6 @@ class OffloadEngine(PlanStates):
         self.weights.swap_in(self.weights.build_released(device))
         self.unguard_parameters()
         self.hooks.detach()
-        self.tied.detach()
         self.store.free_everything()
 
     def unguard_parameters(self) -> None:

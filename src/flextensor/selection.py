@@ -42,8 +42,6 @@ class Selection:
     """Every other parameter FQN of the model, in ``named_parameters`` order."""
     resident_reasons: dict[str, str]
     """FQN -> why a parameter under a unit stays resident (excluded or tied)."""
-    outside_holders: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Streamed FQN -> the modules outside every unit that hold it too (a tie; see tied_holders.py)."""
     _unit_by_parameter: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -108,7 +106,6 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
     unit_set = frozenset(units)
     streamed: dict[str, str] = {}  # canonical FQN -> unit
     reasons: dict[str, str] = {}
-    outside: dict[str, tuple[str, ...]] = {}
     for group in by_storage.values():
         owners = {_owner(path, unit_set) for path, _, _ in group}
         if owners == {None}:
@@ -119,9 +116,6 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
             if reason is None:
                 (unit,) = owners - {None}  # one unit reaches it: anything else gave a reason
                 streamed[name] = unit
-                holders = tuple(dict.fromkeys(path for path, _, _ in group if _owner(path, unit_set) is None))
-                if holders:
-                    outside[name] = holders
             else:
                 reasons[name] = reason
 
@@ -137,7 +131,6 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
         unit_parameters={unit: tuple(unit_parameters[unit]) for unit in kept},
         resident_parameters=tuple(name for name in canonical.values() if name not in streamed),
         resident_reasons={name: reasons[name] for name in canonical.values() if name in reasons},
-        outside_holders={name: outside[name] for name in canonical.values() if name in outside},
     )
 
 
