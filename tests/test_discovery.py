@@ -203,6 +203,3 @@ def test_a_tied_weight_whose_other_holder_never_runs_streams() -> None:
     assert flextensor.phase(model) == "inference"
     assert "shared.weight" in flextensor.offloaded_parameters(model)
     assert "encoder.embed_tokens" in flextensor.offload_units(model)
-    flextensor.release(model)  # one matrix again, with its values
-    assert model.shared.weight is model.encoder.embed_tokens.weight
-    assert torch.equal(model.shared.weight, reference.shared.weight)
