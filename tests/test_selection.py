@@ -48,11 +48,8 @@ def assert_partition(model: nn.Module, sel: Selection) -> None:
     streamed = sel.streamed_parameters()
     assert sorted([*streamed, *sel.resident_parameters]) == sorted(params_of(model))
     assert len(set(streamed)) == len(streamed)
-    params = dict(model.named_parameters())
     for unit, names in sel.unit_parameters.items():
-        # Under the unit, by its name or (a weight tied to a module outside every unit) by an alias.
-        own = {id(p) for p in model.get_submodule(unit).parameters()}
-        assert all(id(params[name]) in own for name in names)
+        assert all(name.startswith(unit + ".") for name in names)
 
 
 # --- pure pattern helpers -------------------------------------------------------------------------
@@ -285,13 +282,10 @@ def test_tied_weights_across_units_are_resident_with_reason() -> None:
     assert_partition(model, sel)
 
 
-def test_tied_weight_reached_from_one_unit_and_outside_every_unit_streams_with_that_unit() -> None:
-    """Discovery decides: it keeps the weight resident if the module outside reads it (see
-    test_engine's test_a_tied_weight_read_outside_its_unit_is_kept_resident_by_discovery)."""
+def test_tied_weight_reached_from_outside_every_unit_is_resident() -> None:
     sel = quiet_select(tied_model(), ["layers.*", "lm_head"], [])
-    assert sel.units == (*layer_units(), "lm_head")
-    assert sel.unit_of("embed.weight") == "lm_head" and not sel.resident_reasons
-    assert_partition(tied_model(), sel)
+    assert sel.units == layer_units()
+    assert sel.resident_reasons == {"embed.weight": "tied: also used by lm_head"}
 
 
 def test_distinct_parameters_sharing_one_storage_are_resident() -> None:
@@ -511,6 +505,5 @@ def test_any_patterns_give_a_sound_partition(include: list[str], exclude: list[s
         for i in range(len(parts)):  # every enclosing module, the root included
             path = ".".join(parts[:i])
             assert not any(match_exclude(p, path, type(modules[path])) for p in exclude), (name, path)
-    if tied:  # streamed only by the one unit that reaches it, if only one does
-        holders = [u for u in sel.units if u in ("embed", "lm_head")]
-        assert sel.unit_of("embed.weight") in (holders if len(holders) == 1 else [None])
+    if tied:
+        assert sel.unit_of("embed.weight") is None

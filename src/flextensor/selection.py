@@ -114,7 +114,8 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
             name = canonical[id(param)]
             reason = _resident_reason(name, param, group, owners, exclude, excluded_at)
             if reason is None:
-                (unit,) = owners - {None}  # one unit reaches it: anything else gave a reason
+                (unit,) = owners  # one owner, not None: anything else gave a reason
+                assert unit is not None
                 streamed[name] = unit
             else:
                 reasons[name] = reason
@@ -259,10 +260,7 @@ def _resident_reason(
     if hit is not None:
         return _describe(hit)
     others = list(dict.fromkeys(path or "<root>" for path, fqn, _ in group if fqn != name))
-    # Tied between units: each would load it into its own range. Tied between one unit and modules outside
-    # every unit, it streams with that unit: discovery keeps it resident if one of those modules reads it
-    # (a tied embedding's lm_head), and streams it if they never run (UMT5's `shared`, kept for the tie).
-    if len(owners - {None}) > 1:
+    if len(owners) > 1:
         return f"tied: also used by {', '.join(others)}"
     if len({id(p) for _, _, p in group}) > 1:
         # Streaming one view would neither free the storage nor keep the views consistent.
