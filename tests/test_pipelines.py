@@ -18,7 +18,7 @@ from flextensor.errors import (
 )
 from flextensor.host_store import pack_layout
 from flextensor.layout import minimal_arena_bytes
-from flextensor.pipelines import default_unit_patterns
+from flextensor.pipelines import default_unit_patterns, pipeline_of
 from flextensor.selection import select
 
 pytest.importorskip("diffusers")
@@ -277,6 +277,54 @@ def test_a_component_plans_again_when_the_memory_outside_it_grew(monkeypatch: py
     assert again.plan.predicted_peak_bytes <= limit and again.plan.streamed  # less room: some stream
     assert torch.equal(parts["second"](parts["first"](x)), expected)
     assert engine.current is again  # planned once: what is outside did not grow again
+    flextensor.release(parts)
+
+
+@torch.no_grad()
+def test_components_that_fit_together_beside_the_callers_tensors_stay_laid_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the other components hold is the pipeline's to count, not part of a component's outside: two
+    components that fit together beside the caller's tensors keep their layouts generation after
+    generation (counted twice, they made each other give memory back at every step); once the caller
+    holds more, they take turns, and nothing plans again while each fits alone. The allocator's
+    counters are faked on the CPU engine (allocated = caller + what the components hold)."""
+    from flextensor import api
+    from flextensor.measurements import LinkModel
+
+    real_probe = api.probe_links
+    monkeypatch.setattr(
+        api, "probe_links", lambda store, arena: (LinkModel.constant(1e6), real_probe(store, arena)[1])
+    )
+    torch.manual_seed(0)
+    parts = {name: nn.Sequential(*(nn.Linear(64, 64) for _ in range(6))) for name in ("a", "b")}
+    x = torch.randn(2, 64)
+    expected = parts["b"](parts["a"](x))
+    config = flextensor.OffloadConfig(
+        device="cpu", include_patterns=["a.*", "b.*"], gpu_memory_budget="300KiB"
+    )
+    flextensor.offload(parts, config)
+    for _ in range(5):
+        assert torch.equal(parts["b"](parts["a"](x)), expected)
+    engines = [engine_of(parts["a"]), engine_of(parts["b"])]
+    plans = [e.current for e in engines]
+    caller = [1000]
+
+    def allocated() -> int:
+        return caller[0] + sum(e.store.device_bytes_held() for e in engines)
+
+    for engine in engines:
+        monkeypatch.setattr(engine.store.runtime, "memory_allocated", allocated)
+    pipeline = pipeline_of(parts)
+    vacated = pipeline.vacated
+    for _ in range(5):
+        assert torch.equal(parts["b"](parts["a"](x)), expected)
+    assert pipeline.vacated == vacated  # both fit beside the caller's 1000 bytes: nobody gives back
+    caller[0] = 100_000  # both no longer fit beside it, each still does alone
+    for _ in range(3):
+        assert torch.equal(parts["b"](parts["a"](x)), expected)
+    assert pipeline.vacated > vacated
+    assert [e.current for e in engines] == plans  # no plan made again
     flextensor.release(parts)
 
 

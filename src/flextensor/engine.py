@@ -77,6 +77,7 @@ class OffloadEngine(PlanStates):
         self.entry_methods = entry_methods  # bracketed like forward (hooks.entry_point)
         self.before_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's (pipelines.py)
         self.after_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's, on success
+        self.held_beside: Callable[[], int] = lambda: 0  # a pipeline's: what its other components hold
         self._laid_out_ahead = False  # the layout was made by lay_out_ahead, not yet waited for
         self._ahead_failed = False  # a layout ahead failed once: not tried again
         self.hooks = ModelHooks(self)
@@ -199,7 +200,7 @@ class OffloadEngine(PlanStates):
         refuse_forward_over_edits(self)
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
-            self.plan_again_if_crowded(signature)  # its caller may hold more than when it planned
+            self.plan_again_if_crowded(signature, self.held_beside())  # its caller may hold more now
         if self._laid_out_ahead:
             # Resident units were uploaded on the copy stream (lay_out_ahead): read them after it. (A
             # capture may not wait on work outside it; the uploads are complete by then anyway.)

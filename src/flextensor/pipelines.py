@@ -229,6 +229,10 @@ class PipelineOffload:
         self._make_room(name, keep=None)
         self._last_run.append(name)
 
+    def held_beside(self, name: str) -> int:
+        """Device bytes the components other than ``name`` hold for their units."""
+        return sum(self.engine(n).store.device_bytes_held() for n in self.components if n != name)
+
     def after_step(self, name: str) -> None:
         """Component ``name`` ended a step: lay out the one expected next if this ends its run."""
         run, last = self._run, self._runs.get(name)
@@ -256,12 +260,15 @@ class PipelineOffload:
         if limit is None:
             return True
         need = starting.planned_peak_bytes()
-        need = limit if need is None else need  # learning: its peak is not known yet
         # Components that never ran first (they hold their learning layout from offload() on), then
         # the least recently run.
         never_ran = [n for n in self.components if n not in self._last_run and n != name]
         others = [(n, self.engine(n)) for n in (*never_ran, *self._last_run) if n != name]
         held = sum(e.store.device_bytes_held() for _, e in others)
+        if need is None:
+            need = limit  # learning: its peak is not known yet
+        else:  # what the caller holds now, beyond what the plan counted (its plan was made earlier)
+            need += max(0, starting.grown_outside(starting.current, held))
         if keep is not None:
             staying = sum(e.store.device_bytes_held() for n, e in others if n == keep or not e.can_vacate())
             if staying + need > limit:
@@ -346,6 +353,7 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
         engine = pipeline.engine(name)
         engine.before_step = _pipeline_call(this, PipelineOffload.before_step, name)
         engine.after_step = _pipeline_call(this, PipelineOffload.after_step, name)
+        engine.held_beside = _pipeline_call(this, PipelineOffload.held_beside, name, default=0)
     if isinstance(pipe, Mapping):
         _MAPPINGS[id(pipe)] = pipeline
     else:
@@ -384,13 +392,14 @@ def save_pipeline(pipe: Any, path: Any) -> None:
     save_pipeline_profile(profiles, path, __version__)
 
 
-def _pipeline_call(pipeline: weakref.ref[PipelineOffload], method: Any, name: str) -> Any:
-    """``method(pipeline, name)`` as an engine's callback, while the pipeline lives."""
+def _pipeline_call(
+    pipeline: weakref.ref[PipelineOffload], method: Any, name: str, default: Any = None
+) -> Any:
+    """``method(pipeline, name)`` as an engine's callback, while the pipeline lives (``default`` after)."""
 
-    def call(engine: Any) -> None:
+    def call(*_: Any) -> Any:
         target = pipeline()
-        if target is not None:
-            method(target, name)
+        return method(target, name) if target is not None else default
 
     return call
 

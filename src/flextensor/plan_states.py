@@ -130,25 +130,38 @@ class PlanStates:
         self.recordings.pop(self.signature, None)
         logger.info("plan: %s", plan.summary())
 
-    def plan_again_if_crowded(self, signature: tuple[str, ...]) -> bool:
+    def plan_again_if_crowded(self, signature: tuple[str, ...], beside: int = 0) -> bool:
         """Plan the inputs ``signature`` again, from the same measurements, when the device memory outside
         this model grew since their plan was made so much that the plan's peak no longer fits its limit: a
         pipeline's component plans in the first generation, before its caller holds the generation's
-        output or the components beside it hold their steady layouts. Reads the allocator's counters (no
-        device sync) and plans only then; a pipeline's component asks before each step. Whether it
-        planned. (A model that no longer fits at all raises BudgetError here, its plans left as they were.)"""
+        output. ``beside``: device bytes the pipeline's other components hold for their units, which the
+        pipeline counts on its own (they leave the outside: counted in the plan too, the components would
+        make each other give memory back at every step). Reads the allocator's counters (no device sync)
+        and plans only then; a pipeline's component asks before each step. Whether it planned. (A model
+        that no longer fits at all raises BudgetError here, its plans left as they were.)"""
         entry, limit = self.plans.get(signature), self.policy.memory_limit()
         if entry is None or limit is None or self.phase is not Phase.INFERENCE or self.graphs.layout_kept:
             return False
-        outside = self.store.runtime.memory_allocated() - self.store.device_bytes_held()
-        grown = outside - entry.measurements.baseline_bytes
+        if self.graphs.capturing():
+            return False  # a layout would synchronise and allocate inside the capture
+        grown = self.grown_outside(entry, beside)
         if grown <= 0 or entry.plan.predicted_peak_bytes + grown <= limit:
             return False
+        outside = entry.measurements.baseline_bytes + grown
         logger.info(
             "plan again: %d more bytes outside this model than when it was planned (now %d)", grown, outside
         )
         self.install_plan(replace(entry.measurements, baseline_bytes=outside))
         return True
+
+    def grown_outside(self, entry: PlanEntry, beside: int) -> int:
+        """How much more device memory is allocated outside this model (and outside the ``beside`` bytes a
+        pipeline's other components hold) than when ``entry`` was planned; 0 where the device does not
+        count its memory (a CPU)."""
+        allocated = self.store.runtime.memory_allocated()
+        if not allocated:
+            return 0
+        return allocated - self.store.device_bytes_held() - beside - entry.measurements.baseline_bytes
 
     def _streams_coded_packs(self, plan: Plan) -> bool:
         return any((pack := self.units[name].pack) is not None and pack.coded for name in plan.streamed)
