@@ -240,13 +240,10 @@ def test_a_mapping_of_modules_is_a_pipeline() -> None:
     assert torch.equal(parts["second"](parts["first"](x)), expected)
 
 
-@torch.no_grad()
-def test_a_component_plans_again_when_the_memory_outside_it_grew(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A component plans in the first generation; by a later one its caller may hold more on the device
-    (the last generation's frames): before its step it plans again when its plan would no longer fit the
-    budget beside what is there now. The allocator's counters are the CUDA ones: on the CPU engine the
-    memory outside the first component is faked, and the link modelled slow so that plans keep units
-    resident where they fit."""
+def two_stacks(monkeypatch: pytest.MonkeyPatch, budget: str) -> tuple[dict, object, torch.Tensor]:
+    """Two stacks of six layers offloaded as a pipeline (a mapping) under ``budget`` and run until steady,
+    the link modelled slow so that plans keep layers resident where they fit. Returns the mapping, a
+    function running one "generation" through both, and its expected output."""
     from flextensor import api
     from flextensor.measurements import LinkModel
 
@@ -258,24 +255,40 @@ def test_a_component_plans_again_when_the_memory_outside_it_grew(monkeypatch: py
     parts = {name: nn.Sequential(*(nn.Linear(64, 64) for _ in range(6))) for name in ("first", "second")}
     x = torch.randn(2, 64)
     expected = parts["second"](parts["first"](x))
-    config = flextensor.OffloadConfig(device="cpu", include_patterns=["first.*", "second.*"],
-                                      gpu_memory_budget="1MiB")  # fmt: skip
-    flextensor.offload(parts, config)
-    for _ in range(4):
-        assert torch.equal(parts["second"](parts["first"](x)), expected)
+    patterns = ["first.*", "second.*"]
+    flextensor.offload(
+        parts, flextensor.OffloadConfig(device="cpu", include_patterns=patterns, gpu_memory_budget=budget)
+    )
+
+    def generate() -> torch.Tensor:
+        return parts["second"](parts["first"](x))
+
+    for _ in range(5):
+        assert torch.equal(generate(), expected)
+    assert flextensor.phase(parts) == "inference"
+    return parts, generate, expected
+
+
+@torch.no_grad()
+def test_a_component_plans_again_when_the_memory_outside_it_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A component plans in the first generation; by a later one its caller may hold more on the device
+    (the last generation's frames): before its step it plans again when its plan would no longer fit the
+    budget beside what is there now. The allocator's counters are the CUDA ones: on the CPU engine the
+    memory outside the first component is faked."""
+    parts, generate, expected = two_stacks(monkeypatch, "1MiB")
     engine = engine_of(parts["first"])
     planned = engine.current
-    assert flextensor.phase(parts) == "inference" and len(planned.plan.resident) == 6  # room for all
+    assert len(planned.plan.resident) == 6  # room for all
     limit = engine.policy.memory_limit()
     outside = planned.measurements.baseline_bytes + (limit - planned.plan.predicted_peak_bytes) + 4096
     monkeypatch.setattr(
         engine.store.runtime, "memory_allocated", lambda: outside + engine.store.device_bytes_held()
     )
-    assert torch.equal(parts["second"](parts["first"](x)), expected)
+    assert torch.equal(generate(), expected)
     again = engine.current
     assert again is not planned and again.measurements.baseline_bytes == outside
     assert again.plan.predicted_peak_bytes <= limit and again.plan.streamed  # less room: some stream
-    assert torch.equal(parts["second"](parts["first"](x)), expected)
+    assert torch.equal(generate(), expected)
     assert engine.current is again  # planned once: what is outside did not grow again
     flextensor.release(parts)
 
@@ -289,24 +302,8 @@ def test_components_that_fit_together_beside_the_callers_tensors_stay_laid_out(
     generation (counted twice, they made each other give memory back at every step); once the caller
     holds more, they take turns, and nothing plans again while each fits alone. The allocator's
     counters are faked on the CPU engine (allocated = caller + what the components hold)."""
-    from flextensor import api
-    from flextensor.measurements import LinkModel
-
-    real_probe = api.probe_links
-    monkeypatch.setattr(
-        api, "probe_links", lambda store, arena: (LinkModel.constant(1e6), real_probe(store, arena)[1])
-    )
-    torch.manual_seed(0)
-    parts = {name: nn.Sequential(*(nn.Linear(64, 64) for _ in range(6))) for name in ("a", "b")}
-    x = torch.randn(2, 64)
-    expected = parts["b"](parts["a"](x))
-    config = flextensor.OffloadConfig(
-        device="cpu", include_patterns=["a.*", "b.*"], gpu_memory_budget="300KiB"
-    )
-    flextensor.offload(parts, config)
-    for _ in range(5):
-        assert torch.equal(parts["b"](parts["a"](x)), expected)
-    engines = [engine_of(parts["a"]), engine_of(parts["b"])]
+    parts, generate, expected = two_stacks(monkeypatch, "300KiB")
+    engines = [engine_of(parts["first"]), engine_of(parts["second"])]
     plans = [e.current for e in engines]
     caller = [1000]
 
@@ -318,11 +315,11 @@ def test_components_that_fit_together_beside_the_callers_tensors_stay_laid_out(
     pipeline = pipeline_of(parts)
     vacated = pipeline.vacated
     for _ in range(5):
-        assert torch.equal(parts["b"](parts["a"](x)), expected)
+        assert torch.equal(generate(), expected)
     assert pipeline.vacated == vacated  # both fit beside the caller's 1000 bytes: nobody gives back
     caller[0] = 100_000  # both no longer fit beside it, each still does alone
     for _ in range(3):
-        assert torch.equal(parts["b"](parts["a"](x)), expected)
+        assert torch.equal(generate(), expected)
     assert pipeline.vacated > vacated
     assert [e.current for e in engines] == plans  # no plan made again
     flextensor.release(parts)
