@@ -267,3 +267,50 @@ def test_a_budget_without_room_for_the_staging_slots_streams_uncompressed_on_cud
         assert torch.equal(model(long).logits, want_long)
     assert not any(isinstance(u.pack, CodedPack) for u in engine.units.values())
     assert all(not entry.plan.coded for entry in engine.plans.values())
+
+
+def test_processes_sharing_compressed_weights_stream_them_bit_for_bit_on_cuda(shm, monkeypatch) -> None:
+    """share_host_memory with compression on the GPU: the second offload maps the first's coded segment
+    (page-locked in each), the raw segment goes, and both stream bit for bit; a model built on the meta
+    device then unpacks the coded copy through the GPU and streams the same. Waits are cut to 30 s so a
+    stuck step fails with its own message."""
+    import flextensor
+    from flextensor import shared_coded, shared_store
+
+    monkeypatch.setattr(shared_store, "SHARED_STORE_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(shared_coded, "SHARED_CODED_TIMEOUT_S", 30.0)
+    config = flextensor.OffloadConfig(
+        include_patterns=["model.layers.*"],
+        gpu_memory_budget="240MiB",
+        compression="lossless",
+        share_host_memory=True,
+    )
+    inputs = tokens(16)
+    want = device_logits(inputs)
+    models = []
+    try:
+        models.append(flextensor.offload(medium_llama(), config))
+        assert [
+            p.name for p in shm.iterdir() if not p.name.endswith(".lock") and "-coded-" not in p.name
+        ] == []
+        models.append(flextensor.offload(medium_llama(), config))
+        with torch.device("meta"):
+            meta = medium_llama()
+        source = medium_llama()
+        kept = {k: v for k, v in source.state_dict().items() if not k.startswith("model.layers.")}
+        meta.load_state_dict(kept, strict=False, assign=True)
+        meta.model.rotary_emb = source.model.rotary_emb
+        meta.tie_weights()  # assign=True gave the head a parameter of its own: the layout must match
+        models.append(flextensor.offload(meta, config))
+        (segment,) = [p for p in shm.iterdir() if not p.name.endswith(".lock")]
+        assert "-coded-" in segment.name
+        for index, model in enumerate(models):
+            units = flextensor.status(model).units
+            assert all(u.shared and u.compressed and u.pinned for u in units), (index, units)
+            with torch.no_grad():
+                for _ in range(5):
+                    assert torch.equal(model(inputs).logits, want), index
+    finally:
+        for model in models:
+            flextensor.release(model)
+        torch.cuda.empty_cache()

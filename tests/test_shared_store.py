@@ -13,8 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,21 +46,6 @@ def run_to_steady_state(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = model(x)
     assert flextensor.phase(model) == "inference"
     return y
-
-
-@pytest.fixture
-def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private segment directory on tmpfs; the test must leave it empty."""
-    path = Path("/dev/shm") / f"ft-test-{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    monkeypatch.setattr(shared_store, "SHM_DIR", str(path))
-    try:
-        yield path
-        assert sorted(os.listdir(path)) == [], "segments or locks left behind"
-    finally:
-        for leftover in path.iterdir():
-            leftover.unlink()
-        path.rmdir()
 
 
 def segments(shm: Path) -> list[Path]:

@@ -29,14 +29,16 @@ Everything else that reads a pack gets decoded bytes, a copy of its own each tim
 ``standalone_view``): uploads to resident storage, ``state_dict()``, ``release()``. A pack built again
 from device storage (a resident unit that streams again) is encoded again. Under a host budget a coded
 pack it cannot pin stays pageable and its pieces go through the staging ring (``Unit.staging``) into
-the staging slots. Not supported with coded packs (refused where set): shared host memory,
-``flextensor.editing``. From a checkpoint (``offload(weights=)``), each pack is encoded once its read
-is done. A CUDA-graph capture (``torch.cuda.graph``, reduce-overhead, vLLM's decode graphs) records the
-loads like any copy (:meth:`CodedLoads.begin_capture`).
+the staging slots. With ``share_host_memory`` the coded packs are ranges of a segment shared between
+processes (see [Note: shared coded packs] in shared_coded.py). Not supported with coded packs (refused
+where set): ``flextensor.editing``. From a checkpoint (``offload(weights=)``), each pack is encoded once
+its read is done. A CUDA-graph capture (``torch.cuda.graph``, reduce-overhead, vLLM's decode graphs)
+records the loads like any copy (:meth:`CodedLoads.begin_capture`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,7 +49,8 @@ import torch
 from .codec import EncodedTensor, decode, encode
 from .codec.format import CODED_DTYPES
 from .device import DeviceRuntime
-from .host_store import PackedParameter, UnitPack
+from .errors import CodecError
+from .host_store import PackedParameter, PackOwner, UnitPack
 from .measurements import CODED_PIECE_BYTES
 from .simulator import CODED_STAGING_SLOTS
 from .sizes import align_up
@@ -129,18 +132,54 @@ class CodedPack(UnitPack):
             start, raw_start = align_up(start + size, _INDEX_ALIGNMENT), raw_start + encoded.raw_nbytes
         assert raw_start == nbytes and pieces
         super().__init__(unit, entries, start, pin=False)  # the host budget pins it, like any pack
-        self.pieces = tuple(layout)
-        self.coded_nbytes = start
-        self.staging_nbytes = max(piece.nbytes for piece in layout)
-        self.nbytes = nbytes
-        self.dtype, self.chunk_elements = pieces[0].dtype, pieces[0].chunk_elements
+        self._describe(tuple(layout), nbytes, pieces[0].dtype, pieces[0].chunk_elements)
         coded = self._buffer
         for piece, encoded in zip(layout, pieces, strict=True):
             at = coded[piece.start : piece.start + piece.nbytes]
             at[: piece.stream_nbytes].copy_(encoded.data)
             at[piece.offsets_at : piece.widths_at].copy_(encoded.chunk_offsets.view(torch.uint8))
             at[piece.widths_at :].copy_(encoded.chunk_widths)
+
+    def _describe(
+        self, pieces: tuple[CodedPiece, ...], nbytes: int, dtype: torch.dtype, chunk_elements: int
+    ) -> None:
+        self.pieces = pieces
+        self.coded_nbytes = align_up(pieces[-1].start + pieces[-1].nbytes, _INDEX_ALIGNMENT)
+        self.staging_nbytes = max(piece.nbytes for piece in pieces)
+        self.nbytes = nbytes
+        self.dtype, self.chunk_elements = dtype, chunk_elements
         self.loads: CodedLoads | None = None  # the store's, set at each layout (see DeviceStore)
+
+    def record(self) -> dict[str, Any]:
+        """How to read this pack's bytes again (:meth:`over_coded`), as JSON values."""
+        return {
+            "nbytes": self.nbytes,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "chunk_elements": self.chunk_elements,
+            "pieces": [dataclasses.astuple(piece) for piece in self.pieces],
+        }
+
+    @classmethod
+    def over_coded(
+        cls,
+        unit: str,
+        entries: tuple[PackedParameter, ...],
+        record: dict[str, Any],
+        buffer: torch.Tensor,
+        owner: PackOwner,
+    ) -> CodedPack:
+        """A coded pack viewing ``buffer``, bytes that ``owner`` holds (a segment shared between
+        processes, see shared_coded.py), laid out as ``record`` (from :meth:`record`) says."""
+        dtype = getattr(torch, record["dtype"])
+        if dtype not in CODED_DTYPES:
+            raise CodecError(f"unit {unit!r}: {record['dtype']} is not a coded dtype")
+        pack = cls.over(unit, entries, buffer, owner)
+        pieces = tuple(CodedPiece(*piece) for piece in record["pieces"])
+        pack._describe(pieces, record["nbytes"], dtype, record["chunk_elements"])
+        if pack.coded_nbytes > buffer.numel() or pack.nbytes != sum(p.raw_nbytes for p in pieces):
+            pack.free()
+            raise CodecError(f"unit {unit!r}: its coded layout does not fit the {buffer.numel()} bytes given")
+        return pack
 
     @classmethod
     def encode(

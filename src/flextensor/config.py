@@ -233,8 +233,8 @@ class OffloadConfig(BaseModel):
             "size) and decodes them on the device as they stream, bit for bit: fewer bytes cross the link, "
             "so steps bound by it run faster. offload() probes the link and the decoder and compresses "
             "only the units whose loads it speeds up (on a CPU device, normally none). 'off' (the default) "
-            "copies weights as they are. Not with share_host_memory. See "
-            "docs/compression.md."
+            "copies weights as they are. With share_host_memory the node holds the compressed copy once. "
+            "See docs/compression.md."
         ),
     )
 
@@ -383,17 +383,6 @@ class OffloadConfig(BaseModel):
         if value not in ("off", "lossless"):
             raise ConfigError(f"compression must be 'off' or 'lossless', got {value!r}")
         return str(value)
-
-    @model_validator(mode="after")
-    def _check_compression_fits(self) -> OffloadConfig:
-        if self.compression == "lossless":
-            for field, value in (("share_host_memory", self.share_host_memory),):
-                if value:
-                    raise ConfigError(
-                        f"compression='lossless' with {field} is not supported yet: leave {field} unset, or "
-                        "compression off"
-                    )
-        return self
 
     @model_validator(mode="after")
     def _check_one_budget(self) -> OffloadConfig:

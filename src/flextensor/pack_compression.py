@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +21,7 @@ from .coded_packs import CodedPack, coded_dtype
 from .device import DeviceRuntime
 from .host_store import UnitPack
 from .measurements import LinkModel, coded_load_seconds
+from .sizes import format_bytes
 from .units import Placement
 
 if TYPE_CHECKING:
@@ -92,7 +93,6 @@ def compress_packs(
         if (only is None or u.name in only)
         and u.pack is not None
         and type(u.pack) is UnitPack
-        and not u.pack.shared
         and coded_dtype(u.entries) is not None
         and u.nbytes % 2 == 0
         and u.nbytes > 0
@@ -114,19 +114,39 @@ def compress_packs(
             link.bytes_per_s(largest.nbytes) / 1e9,
         )
         return None
-    coded = 0
-    for unit in candidates:
+
+    def pays(unit: Unit, pack: CodedPack) -> bool:
+        return coded_load_pays(unit.nbytes, pack.coded_nbytes, link, decode_bps)
+
+    considered = {id(u) for u in candidates}
+
+    def coded_if_pays(unit: Unit) -> CodedPack | None:
+        if id(unit) not in considered:
+            return None
         assert unit.pack is not None
         pack = (
             probe
             if unit is largest
             else CodedPack.encode(unit.name, unit.entries, unit.pack.buffer, encode_on)
         )
-        if coded_load_pays(unit.nbytes, pack.coded_nbytes, link, decode_bps):
-            swap_in(store, unit, pack)
-            coded += 1
-        else:
-            pack.free()
+        if pays(unit, pack):
+            return pack
+        pack.free()
+        return None
+
+    shared = [u for u in store.units if u.pack is not None and u.pack.shared]
+    if shared:
+        coded = _hold_shared(store, shared, coded_if_pays, pays, encode_on)
+        probe.free()  # a no-op if this process encoded the segment (copied in, then freed)
+    else:
+        coded = 0
+        for unit in candidates:
+            pack = coded_if_pays(unit)
+            if pack is not None:
+                swap_in(store, unit, pack)
+                coded += 1
+    if not coded:
+        return None
     chosen = {u.name for u in candidates if u.pack is not None and u.pack.coded}
     store.recode = lambda unit: recode(unit, encode_on) if unit.name in chosen else None
     store.allocate_coded_loads([u for u in store.units if u.placement is Placement.STREAMED])
@@ -141,8 +161,41 @@ def compress_packs(
     return decode_bps
 
 
-def swap_in(store: DeviceStore, unit: Unit, pack: CodedPack) -> None:
-    """Hold ``unit``'s weights in ``pack`` from now on, freeing its raw pack (nothing views it: the
+def _hold_shared(
+    store: DeviceStore,
+    units: list[Unit],
+    coded_if_pays: Callable[[Unit], CodedPack | None],
+    pays: Callable[[Unit, CodedPack], bool],
+    encode_on: torch.device | None,
+) -> int:
+    """Units whose packs are shared between processes: their packs move to the node's coded segment
+    (see [Note: shared coded packs] in shared_coded.py), but for the coded units whose loads do not pay
+    on this process's link, which keep their raw packs. Returns how many units are held coded."""
+    from .shared_coded import share_coded
+
+    packs = share_coded(units, coded_if_pays, encode_on)
+    if packs is None:
+        return 0  # waited too long for another process: this one streams its raw packs
+    coded, kept = 0, []
+    for unit in units:
+        pack = packs[unit.name]
+        if isinstance(pack, CodedPack) and not pays(unit, pack):
+            pack.free()
+            kept.append(unit.name)
+            continue
+        swap_in(store, unit, pack)
+        coded += isinstance(pack, CodedPack)
+    if kept:
+        logger.warning(
+            "compression='lossless': %d unit(s) that another process holds compressed load faster raw on "
+            "this link; this process keeps their raw packs, and so the node's raw copy of the weights",
+            len(kept),
+        )
+    return coded
+
+
+def swap_in(store: DeviceStore, unit: Unit, pack: UnitPack) -> None:
+    """Hold ``unit``'s weights in ``pack`` from now on, freeing its old pack (nothing views it: the
     parameters view the device), pinned as the host budget allows."""
     old, unit.pack = unit.pack, pack
     unit.staging = None
@@ -161,6 +214,13 @@ def hold_uncompressed(store: DeviceStore) -> None:
     runtime = store.runtime
     store.recode = None  # a pack built again from device storage stays raw from now on
     runtime.synchronize()
+    shared = sum(u.nbytes for u in store.units if isinstance(u.pack, CodedPack) and u.pack.shared)
+    if shared:
+        logger.warning(
+            "the %s of compressed weights shared with other processes are held uncompressed again in "
+            "this process's own host memory; give it the budget for the staging slots to keep sharing them",
+            format_bytes(shared),
+        )
     for unit in store.units:
         pack = unit.pack
         if not isinstance(pack, CodedPack):

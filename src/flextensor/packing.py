@@ -140,7 +140,9 @@ class Packing:
                 from .shared_store import pack_shared
 
                 patterns = [list(config.include_patterns), list(config.exclude_patterns)]
-                shared = pack_shared(self.model, named_units, patterns, pin, bar.advance)
+                device = self.target.device
+                decode_on = device if device.type == "cuda" else None
+                shared = pack_shared(self.model, named_units, patterns, pin, bar.advance, decode_on=decode_on)
                 self._packs.extend(shared.packs)
                 self._swapped = shared.swapped
                 for (name, _), named, pack in zip(named_units, shared.parameters, shared.packs, strict=True):

@@ -23,22 +23,57 @@ from .sizes import format_bytes
 logger = logging.getLogger("flextensor")
 
 __all__ = [
+    "ANY_KEY",
+    "SegmentHeader",
     "SegmentLayout",
     "create_segment",
+    "grow_segment",
     "inspect_segment",
     "leave_segment",
     "live_segments",
     "mark_ready",
     "open_own",
+    "read_header",
+    "read_index",
     "segment_mutex",
+    "set_content",
     "sweep_leftovers",
     "try_exclusive",
+    "write_index",
 ]
 
 _MAGIC = b"FTSHM001"
 _HEADER = struct.Struct("<8sII Q 32s 32s")  # magic, state, creator pid, total bytes, layout, content
 _STATE_OFFSET = 8
+_TOTAL_OFFSET = 16
+_CONTENT_OFFSET = 56
+_EXTRA = struct.Struct("<16s Q")  # this segment's instance (random at creation), bytes of its index
+_EXTRA_OFFSET = 96
 _PACKING, _READY = 0, 1
+
+ANY_KEY = b"*"
+"""For :func:`inspect_segment`: keep a READY segment whatever its layout key (the caller reads its index)."""
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """What a segment's first page says: its size, layout key, content digest, the instance id drawn
+    when it was created (a segment packed again under the same name gets another), and how many bytes
+    of index (a coded segment's, see shared_coded.py) follow the header page."""
+
+    total: int
+    key: bytes
+    content: bytes
+    instance: bytes
+    index_nbytes: int
+
+
+def read_header(fd: int) -> SegmentHeader:
+    size = _EXTRA_OFFSET + _EXTRA.size
+    raw = os.pread(fd, size, 0).ljust(size, b"\0")
+    _, _, _, total, key, content = _HEADER.unpack_from(raw)
+    instance, index_nbytes = _EXTRA.unpack_from(raw, _EXTRA_OFFSET)
+    return SegmentHeader(total, key, content, instance, index_nbytes)
 
 
 @dataclass(frozen=True)
@@ -89,9 +124,10 @@ def segment_mutex(path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def inspect_segment(path: str, layout: SegmentLayout | None) -> tuple[str, int | None]:
+def inspect_segment(path: str, key: bytes | None, total: int | None = None) -> tuple[str, int | None]:
     """Under the mutex: "absent", "packing", "removed" (a leftover) or "ready" with an fd holding a
-    shared lock. With ``layout`` None (a sweep) the fd is never kept."""
+    shared lock. The header must say ``key`` (and ``total`` when given, else any size). With ``key``
+    None (a sweep) the fd is never kept."""
     try:
         fd = open_own(path, os.O_RDWR)
     except FileNotFoundError:
@@ -101,17 +137,19 @@ def inspect_segment(path: str, layout: SegmentLayout | None) -> tuple[str, int |
     except BlockingIOError:
         os.close(fd)
         return "packing", None
-    magic, state, pid, total, key, _ = _HEADER.unpack(os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size))
+    magic, state, pid, held_total, held_key, _ = _HEADER.unpack(
+        os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size, b"\0")
+    )
     if try_exclusive(fd):
         if state == _PACKING:
             logger.warning("process %d died while packing %s; removing what it left", pid, path)
         os.unlink(path)  # nobody holds it: a leftover of processes that were killed, or died packing
         os.close(fd)
         return "removed", None
-    if layout is None or magic != _MAGIC or state != _READY:
+    if key is None or magic != _MAGIC or state != _READY:
         os.close(fd)
         return ("ready" if state == _READY else "packing"), None
-    if key != layout.key or total != layout.total:
+    if key is not ANY_KEY and (held_key != key or (total is not None and held_total != total)):
         os.close(fd)
         raise SharedMemoryError(
             f"{path} holds another parameter layout than this model's (a name collision); remove it once "
@@ -137,7 +175,7 @@ def live_segments(prefix: str, layout: SegmentLayout) -> list[tuple[str, int | N
     live = []
     for path in sorted(p for p in glob.glob(glob.escape(prefix) + "*") if not p.endswith(".lock")):
         with segment_mutex(path):
-            state, fd = inspect_segment(path, layout)
+            state, fd = inspect_segment(path, layout.key, layout.total)
         if state in ("ready", "packing"):
             live.append((path, fd))
     return live
@@ -155,33 +193,64 @@ def sweep_leftovers(shm_dir: str) -> None:
             logger.debug("not sweeping %s: %s", path, exc)
 
 
-def create_segment(path: str, layout: SegmentLayout, digest: bytes) -> int:
-    """Under the mutex: create the segment, locked exclusively, its memory reserved, header PACKING."""
+def create_segment(path: str, total: int, key: bytes, content: bytes) -> int:
+    """Under the mutex: create the segment, locked exclusively, ``total`` bytes reserved, header PACKING."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        try:
-            # Reserve every page now: writing past a full tmpfs later would kill us with SIGBUS.
-            os.posix_fallocate(fd, 0, layout.total)
-        except OSError as exc:
-            if exc.errno == errno.EFBIG:  # RLIMIT_FSIZE (ulimit -f) is below the segment's size
-                raise SharedMemoryError(
-                    f"the file-size limit (ulimit -f) is below the {format_bytes(layout.total)} shared "
-                    "segment of weights; raise it (ulimit -f unlimited) or set share_host_memory=False"
-                ) from None
-            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
-                raise
-            raise SharedMemoryError(
-                f"{os.path.dirname(path)} has too little room for the {format_bytes(layout.total)} of shared "
-                "weights; "
-                "enlarge it (e.g. docker run --shm-size) or set share_host_memory=False"
-            ) from None
-        os.pwrite(fd, _HEADER.pack(_MAGIC, _PACKING, os.getpid(), layout.total, layout.key, digest), 0)
+        _reserve(path, fd, total)
+        os.pwrite(fd, _HEADER.pack(_MAGIC, _PACKING, os.getpid(), total, key, content), 0)
+        os.pwrite(fd, _EXTRA.pack(os.urandom(16), 0), _EXTRA_OFFSET)
     except BaseException:
         os.unlink(path)
         os.close(fd)
         raise
     return fd
+
+
+def grow_segment(path: str, fd: int, total: int) -> None:
+    """The creator (holding the exclusive lock) makes its segment at least ``total`` bytes: for segments
+    filled before their size is known."""
+    _reserve(path, fd, total)
+
+
+def write_index(path: str, fd: int, offset: int, index: bytes) -> int:
+    """The creator writes ``index`` at ``offset`` (after everything else) and records the segment's
+    size, which ends with it; returns that size."""
+    total = offset + len(index)
+    _reserve(path, fd, total)
+    os.pwrite(fd, index, offset)
+    os.pwrite(fd, struct.pack("<Q", total), _TOTAL_OFFSET)
+    os.pwrite(fd, struct.pack("<Q", len(index)), _EXTRA_OFFSET + 16)
+    return total
+
+
+def read_index(fd: int, header: SegmentHeader) -> bytes:
+    """The index :func:`write_index` wrote: the last ``index_nbytes`` of the segment."""
+    return os.pread(fd, header.index_nbytes, header.total - header.index_nbytes)
+
+
+def set_content(fd: int, content: bytes) -> None:
+    """Replace the header's content field (under the segment's mutex)."""
+    os.pwrite(fd, content.ljust(32, b"\0")[:32], _CONTENT_OFFSET)
+
+
+def _reserve(path: str, fd: int, total: int) -> None:
+    try:
+        # Reserve every page now: writing past a full tmpfs later would kill us with SIGBUS.
+        os.posix_fallocate(fd, 0, total)
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:  # RLIMIT_FSIZE (ulimit -f) is below the segment's size
+            raise SharedMemoryError(
+                f"the file-size limit (ulimit -f) is below the {format_bytes(total)} shared "
+                "segment of weights; raise it (ulimit -f unlimited) or set share_host_memory=False"
+            ) from None
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        raise SharedMemoryError(
+            f"{os.path.dirname(path)} has too little room for the {format_bytes(total)} of shared weights; "
+            "enlarge it (e.g. docker run --shm-size) or set share_host_memory=False"
+        ) from None
 
 
 def leave_segment(path: str, fd: int, pid: int) -> None:

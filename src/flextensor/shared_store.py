@@ -62,6 +62,7 @@ from .segment_files import (
     leave_segment,
     live_segments,
     mark_ready,
+    read_header,
     segment_mutex,
     sweep_leftovers,
 )
@@ -133,6 +134,7 @@ class SharedSegment:
     def __init__(self, path: str, fd: int, total: int, pin: bool) -> None:
         self.path = path
         self.total = total
+        self.instance = read_header(fd).instance  # which packing of ``path`` this is
         self._mmap = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._fd = fd
         self._private: mmap.mmap | None = None
@@ -154,8 +156,13 @@ class SharedSegment:
 
     def pack(self, unit: str, entries: tuple[PackedParameter, ...], offset: int, nbytes: int) -> UnitPack:
         """A pack over this segment's bytes [offset, offset + nbytes); the segment lives while it does."""
+        return UnitPack.over(unit, entries, self.claim(offset, nbytes), self)
+
+    def claim(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) for a pack to view: the segment lives until that pack is
+        freed (``pack_freed``)."""
         self._users += 1
-        return UnitPack.over(unit, entries, self.buffer[offset : offset + nbytes], self)
+        return self.buffer[offset : offset + nbytes]
 
     def standalone(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self._private is None:
@@ -199,13 +206,15 @@ def pack_shared(
     pin: bool,
     advance: Advance = lambda n: None,
     timeout_s: float | None = None,
+    decode_on: torch.device | None = None,
 ) -> SharedPacks:
     """Put the units' weights in this node's shared segment for the model, packing it if no one has.
 
     Processes whose streamed parameters are all real hash them and find or create their segment; those
     with any meta parameter attach to the one live segment of this layout. Waits (up to ``timeout_s``,
     default SHARED_STORE_TIMEOUT_S) while another process packs. All or nothing: on failure the model's
-    parameters are as they were.
+    parameters are as they were. ``decode_on``: the device that decodes when the node holds the weights
+    only compressed (see shared_coded.py), None for the host.
     """
     if not os.path.isdir(SHM_DIR):
         raise SharedMemoryError(f"share_host_memory needs {SHM_DIR} (Linux); set share_host_memory=False")
@@ -223,9 +232,9 @@ def pack_shared(
         if has_data:
             path = prefix + digest.hex()[:16] + (f"-{collisions}" if collisions else "")
             with segment_mutex(path):
-                state, fd = inspect_segment(path, layout)
+                state, fd = inspect_segment(path, layout.key, layout.total)
                 if state in ("absent", "removed"):
-                    fd = create_segment(path, layout, digest)
+                    fd = create_segment(path, layout.total, layout.key, digest)
                     state = "created"
             # Packing happens outside the mutex, so that others keep polling (and can time out).
             if state == "created":
@@ -238,17 +247,28 @@ def pack_shared(
                 continue
             what, hint = f"another process to finish packing the weights into {path}", stuck
         else:
+            from .shared_coded import coded_without_raw, raw_from_coded
+
             live = live_segments(prefix, layout)
             ready = [(path, fd) for path, fd in live if fd is not None]
-            if len(live) > 1:
+            # Weights every process holds compressed have no live raw segment (see shared_coded.py).
+            coded = coded_without_raw(prefix, [path for path, _ in live])
+            if coded is None:  # a raw segment went while we looked: look again
+                for _, fd in ready:
+                    os.close(fd)
+                continue
+            if len(live) + len(coded) > 1:
                 for _, fd in ready:
                     os.close(fd)
                 raise SharedMemoryError(
-                    f"{len(live)} models with this parameter layout share host memory on this node "
-                    f"({', '.join(p for p, _ in live)}) and this process's parameters are on the meta "
-                    "device, so it cannot tell which holds its weights; load the real weights in this "
-                    "process (they are freed once it attaches), or set share_host_memory=False"
+                    f"{len(live) + len(coded)} models with this parameter layout share host memory on this "
+                    f"node ({', '.join([p for p, _ in live] + coded)}) and this process's parameters are on "
+                    "the meta device, so it cannot tell which holds its weights; load the real weights in "
+                    "this process (they are freed once it attaches), or set share_host_memory=False"
                 )
+            if coded:
+                unpacked = raw_from_coded(coded[0], layout, decode_on)
+                ready = [unpacked] if unpacked is not None else []
             if ready:
                 attached = _attach(model, *ready[0], layout, units, pin, advance, verify=False)
                 assert attached is not None  # nothing to verify against: attaching cannot be refused
@@ -259,7 +279,9 @@ def pack_shared(
                 else (
                     f"a process with the real weights to pack them into {prefix}*",
                     "parameters on the meta device can only attach to weights that another process of "
-                    "this node has loaded: load them in at least one process",
+                    "this node has loaded, of the same parameter layout (names, shapes, dtypes; tied "
+                    "weights tied alike, e.g. model.tie_weights() after loading the rest): load them in "
+                    "at least one process",
                 )
             )
         if time.monotonic() >= deadline:
@@ -293,20 +315,32 @@ def _pack_as_creator(
             advance(sum(e.nbytes for e in entries))
             if between_units_hook is not None:
                 between_units_hook(index)
-        segment.set_ready()
-        with segment_mutex(path):
-            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive: others may attach now
+        publish(segment, path, fd)
     except BaseException:
         for pack, (_, named) in zip(packs, units, strict=False):
             unpack(pack, named)
-            pack.free()  # the last one frees the segment, and so removes it
-        if segment is None:
-            leave_segment(path, fd, os.getpid())
-        elif not packs:
-            segment.close()
+        abandon(path, fd, segment, packs)
         raise
     logger.info("packed %s of weights into shared host memory %s", format_bytes(layout.total), path)
     return SharedPacks(packs, [list(named) for _, named in units])
+
+
+def publish(segment: SharedSegment, path: str, fd: int) -> None:
+    """Its creator filled ``segment``: mark it READY and let the others attach (from exclusive to shared)."""
+    segment.set_ready()
+    with segment_mutex(path):
+        fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def abandon(path: str, fd: int, segment: SharedSegment | None, packs: Sequence[UnitPack]) -> None:
+    """Its creator failed while filling the segment: free the packs made over it (the last one frees the
+    segment, and so removes it), or leave it when there are none."""
+    for pack in packs:
+        pack.free()
+    if segment is None:
+        leave_segment(path, fd, os.getpid())
+    elif not packs:
+        segment.close()
 
 
 def _attach(

@@ -27,7 +27,8 @@ class UnitStatus:
     ``pinned`` / ``shared`` describe that pack; ``uploads`` / ``pack_rebuilds`` count how often it was
     given resident storage and had its pack built again from it. ``staged``: its copies go through the
     staging ring (its pack did not fit the host budget; see docs/host-memory.md). ``on_disk``: it has no
-    host pack, its copies read the checkpoint file (the disk tier; see docs/host-memory.md)."""
+    host pack, its copies read the checkpoint file (the disk tier; see docs/host-memory.md).
+    ``compressed``: its pack is held compressed (``compression="lossless"``; see docs/compression.md)."""
 
     name: str
     nbytes: int
@@ -39,6 +40,7 @@ class UnitStatus:
     pack_rebuilds: int
     staged: bool = False
     on_disk: bool = False
+    compressed: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
             pack_rebuilds=u.pack_rebuilds,
             staged=u.pack is not None and u.staging is not None,
             on_disk=u.pack is not None and u.pack.disk,
+            compressed=u.pack is not None and u.pack.coded,
         )
         for u in ordered
     )
