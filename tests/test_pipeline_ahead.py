@@ -116,3 +116,37 @@ def test_a_layout_ahead_that_fails_is_warned_and_left_to_the_step(
     assert pipe._flextensor_pipeline.laid_out_ahead == before
     monkeypatch.undo()
     assert torch.equal(run_wan_pipeline(pipe), references[4])
+
+
+@torch.no_grad()
+def test_what_a_run_leaves_outside_at_its_end_does_not_hold_the_next_layout_back(
+    references: dict[int, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the end of a run the caller holds that run's output (and whatever else it keeps), which the next
+    component's plan did not count: its layout ahead still goes by the plan's peak, and its step's own
+    make-room counts what is outside then. Here the outside looks far larger than the budget while a run
+    ends (the allocator's counters are faked on the CPU engine): transformer_2 is laid out ahead as
+    before (it was never laid out ahead on the H200 while that growth counted)."""
+    from flextensor.plan_states import PlanStates
+
+    pipe = offloaded_pipeline()
+    pipeline = pipe._flextensor_pipeline
+    run_until_steady(pipe)
+    ending = [False]
+    real_make_room, real_grown = pipeline._make_room, PlanStates.grown_outside
+
+    def make_room(name: str, keep: str | None) -> bool:
+        ending[0] = keep is not None  # a layout ahead, at the end of ``keep``'s run
+        try:
+            return real_make_room(name, keep)
+        finally:
+            ending[0] = False
+
+    def grown_outside(self, entry, beside: int) -> int:
+        return 10 * pipeline.budget_bytes if ending[0] else real_grown(self, entry, beside)
+
+    monkeypatch.setattr(pipeline, "_make_room", make_room)
+    monkeypatch.setattr(PlanStates, "grown_outside", grown_outside)
+    before = pipeline.laid_out_ahead
+    assert torch.equal(run_wan_pipeline(pipe), references[4])
+    assert pipeline.laid_out_ahead > before

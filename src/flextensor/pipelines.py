@@ -267,8 +267,12 @@ class PipelineOffload:
         held = sum(e.store.device_bytes_held() for _, e in others)
         if need is None:
             need = limit  # learning: its peak is not known yet
-        else:  # what the caller holds now, beyond what the plan counted (its plan was made earlier)
+        elif keep is None:  # its step: what the caller holds now beyond what its plan counted
             need += max(0, starting.grown_outside(starting.current, held))
+        # A layout ahead (``keep``) goes by the plan's peak alone: what the running component leaves
+        # outside at the end of its run is not the next one's step yet (found on the H200: its output,
+        # counted as growth, kept every next component from being laid out ahead); the step's own
+        # make-room counts what is there then.
         if keep is not None:
             staying = sum(e.store.device_bytes_held() for n, e in others if n == keep or not e.can_vacate())
             if staying + need > limit:
