@@ -255,3 +255,27 @@ def _stalling_child(shm: str) -> None:
 
 if __name__ == "__main__":
     _stalling_child(sys.argv[1])
+
+
+def test_a_budget_without_room_for_the_staging_slots_keeps_the_weights_shared_uncompressed(
+    shm: Path, fast_decoder: None
+) -> None:
+    """The tightest budget leaves no room for the staging slots: each process's plan copies the packs as
+    they are, and they move to the node's raw segment (packed again from the coded one by the first, the
+    second attaching to it), not into packs of each process's own."""
+    from streaming import streaming_config
+
+    models = []
+    for _ in range(2):
+        model = bf16_llama()
+        config = streaming_config(model, ["model.layers.*"], compression="lossless", share_host_memory=True)
+        models.append(flextensor.offload(model, config))
+    for model in models:
+        streams_bit_for_bit(model, bf16_llama())
+        units = flextensor.status(model).units
+        assert all(u.shared and not u.compressed for u in units), units
+    assert segments(shm) != [] and coded_segments(shm) == []  # the raw copy alone, once
+    assert len(segments(shm)) == 1
+    for model in models:
+        flextensor.release(model)
+    assert segments(shm) == []

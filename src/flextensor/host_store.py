@@ -293,6 +293,11 @@ class UnitPack:
         return self._owner
 
     @property
+    def offset_in_owner(self) -> int:
+        """Where this pack's bytes start in its owner's memory (0 for a pack owning its memory)."""
+        return self._owner_offset
+
+    @property
     def shared(self) -> bool:
         """Whether the buffer is a range of a segment other processes may map too."""
         return self._owner is not None

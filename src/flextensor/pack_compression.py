@@ -214,13 +214,7 @@ def hold_uncompressed(store: DeviceStore) -> None:
     runtime = store.runtime
     store.recode = None  # a pack built again from device storage stays raw from now on
     runtime.synchronize()
-    shared = sum(u.nbytes for u in store.units if isinstance(u.pack, CodedPack) and u.pack.shared)
-    if shared:
-        logger.warning(
-            "the %s of compressed weights shared with other processes are held uncompressed again in "
-            "this process's own host memory; give it the budget for the staging slots to keep sharing them",
-            format_bytes(shared),
-        )
+    _share_uncompressed(store)
     for unit in store.units:
         pack = unit.pack
         if not isinstance(pack, CodedPack):
@@ -239,6 +233,32 @@ def hold_uncompressed(store: DeviceStore) -> None:
         store.host.admit(unit, store.units)
     store.drop_coded_loads()  # their staging slots serve no pack now
     logger.info("compressed packs held uncompressed again: every unit is copied as it is")
+
+
+def _share_uncompressed(store: DeviceStore) -> None:
+    """Packs in the node's coded segment (see [Note: shared coded packs] in shared_coded.py) move to its
+    raw segment, live or packed again from the coded one, so that the weights stay shared; when that
+    cannot be (the live one holds other bytes, or another process takes too long packing it), the
+    caller decodes them into packs of this process's own, with a warning."""
+    in_coded = [
+        u for u in store.units if u.pack is not None and getattr(u.pack.owner, "index", None) is not None
+    ]
+    if not in_coded:
+        return
+    from .shared_coded import raw_again
+
+    runtime = store.runtime
+    packs = raw_again(in_coded, runtime.device if runtime.is_cuda else None)
+    if packs is None:
+        logger.warning(
+            "the %s of compressed weights shared with other processes are held uncompressed again in this "
+            "process's own host memory (the node's raw copy could not be used); give it the budget for the "
+            "staging slots to keep sharing them",
+            format_bytes(sum(u.nbytes for u in in_coded if isinstance(u.pack, CodedPack))),
+        )
+        return
+    for unit in in_coded:
+        swap_in(store, unit, packs[unit.name])
 
 
 def recode(unit: Unit, encode_on: torch.device | None) -> None:

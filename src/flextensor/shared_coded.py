@@ -28,6 +28,11 @@ see shared_store.py) it encodes a coded segment of its own under the next name. 
 parameters counts the coded segments whose raw segment is not live as models too: with one model on the
 node and only its coded copy left, it unpacks the raw segment from it (decoding on its GPU) and attaches
 as usual; with more, it refuses to guess.
+
+A process whose plan has no room for the staging slots holds its packs uncompressed again
+(pack_compression.hold_uncompressed): they move to the raw segment the coded one was made from (live, or
+packed again from the coded one, as for a meta process), so the weights stay shared; the index keeps the
+raw segment's name, key, size and each unit's offset in it for that.
 """
 
 from __future__ import annotations
@@ -62,7 +67,6 @@ from .segment_files import (
     read_header,
     read_index,
     segment_mutex,
-    set_content,
     write_index,
 )
 from .shared_store import POLL_S, SharedSegment, abandon, publish
@@ -73,7 +77,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["CODED_SEGMENT_FORMAT", "coded_without_raw", "raw_from_coded", "share_coded"]
+__all__ = ["CODED_SEGMENT_FORMAT", "coded_without_raw", "raw_again", "raw_from_coded", "share_coded"]
 
 CODED_SEGMENT_FORMAT = 1
 """Version of the coded segment's index and of the codec's bytes in it: part of the segment's key."""
@@ -187,14 +191,23 @@ def _encode_as_creator(
             finally:
                 if coded is not None:
                     coded.free()
-            entries.append([unit.name, offset, nbytes, None if coded is None else coded.record()])
+            record = None if coded is None else coded.record()
+            entries.append([unit.name, offset, nbytes, record, unit.pack.offset_in_owner])
             offset = align_up(offset + max(nbytes, 1), PAGE)
-        index = json.dumps({"raw": os.path.basename(raw.path), "units": entries}).encode()
+        index = json.dumps(
+            {
+                "raw": os.path.basename(raw.path),
+                "raw_key": raw.key.hex(),
+                "raw_total": raw.total,
+                "units": entries,
+            }
+        ).encode()
         # Padded (JSON allows trailing spaces) so that the segment is whole pages, as page-locking wants.
         index = index.ljust(align_up(offset + len(index), PAGE) - offset, b" ")
         total = write_index(path, fd, offset, index)
         segment = SharedSegment(path, fd, total, raw.pinned)
-        for unit, (_, at, nbytes, record) in zip(units, entries, strict=True):
+        segment.index = json.loads(index)
+        for unit, (_, at, nbytes, record, _) in zip(units, entries, strict=True):
             packs[unit.name] = _pack_over(segment, unit, at, nbytes, record)
         publish(segment, path, fd)
     except BaseException:
@@ -226,15 +239,17 @@ def _attach(
     differ from this process's."""
     try:
         header = read_header(fd)
-        entries = json.loads(read_index(fd, header))["units"]
+        index = json.loads(read_index(fd, header))
+        entries = index["units"]
         segment = SharedSegment(path, fd, header.total, raw.pinned)
+        segment.index = index
     except BaseException:
         leave_segment(path, fd, os.getpid())
         raise
     by_name = {u.name: u for u in units}
     packs: dict[str, UnitPack] = {}
     try:
-        for name, at, nbytes, record in entries:
+        for name, at, nbytes, record, _ in entries:
             packs[name] = _pack_over(segment, by_name[name], at, nbytes, record)
         if set(packs) != set(by_name):
             raise SharedMemoryError(f"{path} does not hold every unit of this model; remove it")
@@ -244,8 +259,7 @@ def _attach(
                 for pack in packs.values():
                     pack.free()  # the last one closes this process's hold
                 return None
-            with segment_mutex(path):
-                set_content(fd, raw.instance)  # the raw segment live now holds these weights
+            segment.set_content(raw.instance)  # the raw segment live now holds these weights
     except BaseException:
         for pack in packs.values():
             pack.free()
@@ -273,17 +287,71 @@ def _decoded(pack: CodedPack, decode_on: torch.device | None, out: torch.Tensor)
 
 
 def _holds(packs: dict[str, UnitPack], units: dict[str, Unit], decode_on: torch.device | None) -> bool:
-    """Whether the packs hold exactly the bytes of the units' own (raw) packs."""
-    for name, pack in packs.items():
-        mine = units[name].pack
-        assert mine is not None
-        if isinstance(pack, CodedPack):
-            theirs = _decoded(pack, decode_on, torch.empty(pack.nbytes, dtype=torch.uint8, device="cpu"))
-        else:
-            theirs = pack.buffer
-        if not torch.equal(theirs, mine.buffer):
-            return False
-    return True
+    """Whether the packs hold exactly the bytes of the units' own packs."""
+    return all(_same_bytes(pack, units[name].pack, decode_on) for name, pack in packs.items())
+
+
+def _same_bytes(one: UnitPack, other: UnitPack | None, decode_on: torch.device | None) -> bool:
+    """Whether two packs of a unit hold the same raw bytes, each decoded (on ``decode_on`` when given)
+    if it is coded."""
+    assert other is not None
+    return torch.equal(_raw_bytes(one, decode_on), _raw_bytes(other, decode_on))
+
+
+def _raw_bytes(pack: UnitPack, decode_on: torch.device | None) -> torch.Tensor:
+    if isinstance(pack, CodedPack):
+        return _decoded(pack, decode_on, torch.empty(pack.nbytes, dtype=torch.uint8, device="cpu"))
+    return pack.buffer
+
+
+# -- packs held uncompressed again --------------------------------------------------------------------------
+
+
+def raw_again(
+    units: Sequence[Unit], decode_on: torch.device | None, timeout_s: float | None = None
+) -> dict[str, UnitPack] | None:
+    """Packs over the node's raw segment for ``units`` (every unit whose pack is in one coded segment),
+    for a process that must hold them uncompressed (a plan with no room for the staging slots): the raw
+    segment live, or packed again from the coded one. None (the caller decodes into packs of its own,
+    with a warning) when the live raw segment holds other bytes, or another process packs it for longer
+    than ``timeout_s``."""
+    coded = _raw_segment(units)
+    index = coded.index
+    assert index is not None
+    raw_path = os.path.join(os.path.dirname(coded.path), index["raw"])
+    offsets = {entry[0]: entry[4] for entry in index["units"]}
+    layout = SegmentLayout(
+        tuple((u.name, u.entries, offsets[u.name], u.nbytes) for u in units),
+        index["raw_total"],
+        bytes.fromhex(index["raw_key"]),
+    )
+    deadline = time.monotonic() + (SHARED_CODED_TIMEOUT_S if timeout_s is None else timeout_s)
+    while True:
+        unpacked = _unpack_into_raw(raw_path, layout, coded, index["units"], decode_on)
+        if unpacked is not None:
+            fd, check = unpacked[1], False
+            coded.set_content(read_header(fd).instance)  # unpacked from it: the same bytes
+            break
+        with segment_mutex(raw_path):
+            state, fd = inspect_segment(raw_path, layout.key, layout.total)
+        if state == "ready" and fd is not None:
+            check = read_header(fd).instance != coded.read_content()[:16]
+            break
+        if state == "packing" and time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)
+    try:
+        segment = SharedSegment(raw_path, fd, layout.total, coded.pinned)
+    except BaseException:
+        leave_segment(raw_path, fd, os.getpid())
+        raise
+    packs = {u.name: segment.pack(u.name, u.entries, offsets[u.name], u.nbytes) for u in units}
+    if check and not all(_same_bytes(packs[u.name], u.pack, decode_on) for u in units):
+        logger.info("raw segment %s holds other weights than this process's", raw_path)
+        for pack in packs.values():
+            pack.free()
+        return None
+    return packs
 
 
 # -- processes whose parameters are on the meta device ------------------------------------------------------
@@ -343,8 +411,7 @@ def raw_from_coded(
     try:
         unpacked = _unpack_into_raw(raw_path, layout, coded, index["units"], decode_on)
         if unpacked is not None:
-            with segment_mutex(coded_path):
-                set_content(fd, read_header(unpacked[1]).instance)  # unpacked from it: the same bytes
+            coded.set_content(read_header(unpacked[1]).instance)  # unpacked from it: the same bytes
         return unpacked
     finally:
         del hold
@@ -364,7 +431,7 @@ def _unpack_into_raw(
     try:
         data = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         raw = torch.frombuffer(data, dtype=torch.uint8, count=layout.total)
-        held = {name: (at, nbytes, record) for name, at, nbytes, record in units}
+        held = {name: (at, nbytes, record) for name, at, nbytes, record, _ in units}
         target = raw
         for name, entries, offset, nbytes in layout.units:
             at, held_nbytes, record = held[name]

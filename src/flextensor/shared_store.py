@@ -64,6 +64,7 @@ from .segment_files import (
     mark_ready,
     read_header,
     segment_mutex,
+    set_content,
     sweep_leftovers,
 )
 from .selection import parameter_signatures
@@ -134,7 +135,10 @@ class SharedSegment:
     def __init__(self, path: str, fd: int, total: int, pin: bool) -> None:
         self.path = path
         self.total = total
-        self.instance = read_header(fd).instance  # which packing of ``path`` this is
+        header = read_header(fd)
+        self.key = header.key  # its layout's
+        self.instance = header.instance  # which packing of ``path`` this is
+        self.index: dict | None = None  # a coded segment's (see shared_coded.py)
         self._mmap = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._fd = fd
         self._private: mmap.mmap | None = None
@@ -179,6 +183,16 @@ class SharedSegment:
 
     def set_ready(self) -> None:
         mark_ready(self._mmap)
+
+    def read_content(self) -> bytes:
+        """The header's content field (a coded segment's: which raw segment holds its bytes)."""
+        with segment_mutex(self.path):
+            return read_header(self._fd).content
+
+    def set_content(self, content: bytes) -> None:
+        """Replace the header's content field (a coded segment's: which raw segment holds its bytes)."""
+        with segment_mutex(self.path):
+            set_content(self._fd, content)
 
     def close(self) -> None:
         """Unpin and leave: the last process to leave removes the segment."""
