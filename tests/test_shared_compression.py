@@ -17,6 +17,7 @@ import torch
 
 import flextensor
 from flextensor import shared_coded, shared_store
+from flextensor.api import engine_of
 from flextensor.coded_packs import CodedPack
 from flextensor.errors import FlexTensorError
 from real_models import tiny_llama
@@ -277,5 +278,51 @@ def test_a_budget_without_room_for_the_staging_slots_keeps_the_weights_shared_un
     assert segments(shm) != [] and coded_segments(shm) == []  # the raw copy alone, once
     assert len(segments(shm)) == 1
     for model in models:
+        flextensor.release(model)
+    assert segments(shm) == []
+
+
+def test_the_raw_copy_packed_again_holds_every_unit_whatever_this_process_holds(
+    shm: Path, fast_decoder: None
+) -> None:
+    """A unit whose pack this process holds privately (a resident unit edited in place gets one) is still
+    unpacked from the coded copy when the raw segment is packed again for packs held uncompressed: the
+    raw segment is whole, and a process that attaches to it later gets every unit's weights."""
+    from flextensor import pack_compression
+    from flextensor.host_store import UnitPack
+
+    first = shared_compressed(bf16_llama())
+    store = engine_of(first).store
+    unit = store.units[0]
+    private = UnitPack(unit.name, unit.entries, unit.nbytes, False)
+    private.buffer.copy_(unit.pack.buffer)
+    pack_compression.swap_in(store, unit, private)
+    pack_compression.hold_uncompressed(store)  # what a plan without room for the staging slots does
+    assert segments(shm) != [] and coded_segments(shm) == []
+    meta = meta_layers(bf16_llama())
+    later = flextensor.offload(
+        meta, compressed_config(meta, share_host_memory=True).model_copy(update={"compression": "off"})
+    )
+    streams_bit_for_bit(later, bf16_llama())
+    streams_bit_for_bit(first, bf16_llama())
+    flextensor.release(later)
+    flextensor.release(first)
+    assert segments(shm) == []
+
+
+def test_a_meta_model_attaches_when_the_live_raw_copy_is_the_compressed_one(
+    shm: Path, fast_decoder: None
+) -> None:
+    """Weights packed again by a process without compression are another packing of the raw segment than
+    the one the coded copy was made from: a meta-built process compares the two before it counts them
+    as two models, and attaches."""
+    compressed_only = shared_compressed(bf16_llama())
+    raw = bf16_llama()
+    live = flextensor.offload(
+        raw, compressed_config(raw, share_host_memory=True).model_copy(update={"compression": "off"})
+    )
+    meta = shared_compressed(meta_layers(bf16_llama()))
+    streams_bit_for_bit(meta, bf16_llama())
+    for model in (compressed_only, live, meta):
         flextensor.release(model)
     assert segments(shm) == []

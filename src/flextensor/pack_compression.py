@@ -245,10 +245,10 @@ def _share_uncompressed(store: DeviceStore) -> None:
     ]
     if not in_coded:
         return
-    from .shared_coded import raw_again
+    from .shared_unpack import raw_again
 
     runtime = store.runtime
-    packs = raw_again(in_coded, runtime.device if runtime.is_cuda else None)
+    packs = raw_again(in_coded, store.units, runtime.device if runtime.is_cuda else None)
     if packs is None:
         logger.warning(
             "the %s of compressed weights shared with other processes are held uncompressed again in this "

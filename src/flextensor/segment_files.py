@@ -42,7 +42,7 @@ __all__ = [
     "write_index",
 ]
 
-_MAGIC = b"FTSHM001"
+_MAGIC = b"FTSHM002"  # 002: the instance id and index fields after the header
 _HEADER = struct.Struct("<8sII Q 32s 32s")  # magic, state, creator pid, total bytes, layout, content
 _STATE_OFFSET = 8
 _TOTAL_OFFSET = 16

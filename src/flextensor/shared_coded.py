@@ -25,9 +25,10 @@ was packed). A process whose raw segment is another packing (the first was remov
 held the coded one, and the weights were packed again) compares the decoded bytes with its own before
 using them, then records its raw instance there; when they differ (weights whose cheap digest collided,
 see shared_store.py) it encodes a coded segment of its own under the next name. A process with meta
-parameters counts the coded segments whose raw segment is not live as models too: with one model on the
-node and only its coded copy left, it unpacks the raw segment from it (decoding on its GPU) and attaches
-as usual; with more, it refuses to guess.
+parameters counts the coded segments whose raw segment is not live as models too (a raw segment live
+under another packing is compared with the coded copy first; one still being packed is waited for):
+with one model on the node and only its coded copy left, it unpacks the raw segment from it (decoding
+on its GPU, every unit) and attaches as usual; with more, it refuses to guess (shared_unpack.py).
 
 A process whose plan has no room for the staging slots holds its packs uncompressed again
 (pack_compression.hold_uncompressed): they move to the raw segment the coded one was made from (live, or
@@ -37,14 +38,10 @@ raw segment's name, key, size and each unit's offset in it for that.
 
 from __future__ import annotations
 
-import fcntl
-import glob
 import hashlib
 import json
 import logging
-import mmap
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -57,13 +54,10 @@ from .errors import SharedMemoryError
 from .host_store import PAGE, UnitPack
 from .measurements import CODED_PIECE_BYTES
 from .segment_files import (
-    ANY_KEY,
-    SegmentLayout,
     create_segment,
     grow_segment,
     inspect_segment,
     leave_segment,
-    mark_ready,
     read_header,
     read_index,
     segment_mutex,
@@ -77,7 +71,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["CODED_SEGMENT_FORMAT", "coded_without_raw", "raw_again", "raw_from_coded", "share_coded"]
+__all__ = [
+    "CODED_SEGMENT_FORMAT",
+    "coded_segment_name",
+    "decode_to",
+    "owning_segment",
+    "pack_over",
+    "raw_bytes",
+    "share_coded",
+]
 
 CODED_SEGMENT_FORMAT = 1
 """Version of the coded segment's index and of the codec's bytes in it: part of the segment's key."""
@@ -87,21 +89,12 @@ SHARED_CODED_TIMEOUT_S = 600.0
 
 Encode = Callable[["Unit"], "CodedPack | None"]
 
-_COLLISION = re.compile(r"-c\d+$")
 
-
-def _coded_name(raw_path: str) -> str:
+def coded_segment_name(raw_path: str) -> str:
     folder, name = os.path.split(raw_path)
     prefix = f"flextensor-{os.getuid()}-"
     assert name.startswith(prefix), raw_path
     return os.path.join(folder, f"{prefix}coded-{name[len(prefix) :]}")
-
-
-def _raw_name(coded_path: str) -> str:
-    folder, name = os.path.split(_COLLISION.sub("", coded_path))
-    return os.path.join(
-        folder, name.replace(f"flextensor-{os.getuid()}-coded-", f"flextensor-{os.getuid()}-", 1)
-    )
 
 
 def share_coded(
@@ -115,8 +108,8 @@ def share_coded(
     name -> pack (the units' own packs untouched: the caller swaps them), or None after waiting too long
     for another process. ``decode_on``: the device that decodes when the segment must be checked against
     this process's raw bytes."""
-    raw = _raw_segment(units)
-    stem = _coded_name(raw.path)
+    raw = owning_segment(units)
+    stem = coded_segment_name(raw.path)
     key = hashlib.sha256(
         json.dumps(
             [
@@ -164,7 +157,7 @@ def share_coded(
         time.sleep(POLL_S)
 
 
-def _raw_segment(units: Sequence[Unit]) -> SharedSegment:
+def owning_segment(units: Sequence[Unit]) -> SharedSegment:
     owners = {id(u.pack.owner): u.pack.owner for u in units if u.pack is not None}
     (owner,) = owners.values()  # one model's packs are ranges of one segment
     assert isinstance(owner, SharedSegment)
@@ -271,12 +264,25 @@ def _attach(
 
 
 def _pack_over(segment: SharedSegment, unit: Unit, offset: int, nbytes: int, record: dict | None) -> UnitPack:
+    return pack_over(segment, unit.name, unit.entries, offset, nbytes, record)
+
+
+def pack_over(
+    segment: SharedSegment, name: str, entries: tuple, offset: int, nbytes: int, record: dict | None
+) -> UnitPack:
+    """A pack of unit ``name`` over bytes [offset, offset + nbytes) of ``segment``: coded as ``record``
+    says, or raw when it is None."""
     if record is None:
-        return segment.pack(unit.name, unit.entries, offset, nbytes)
-    return CodedPack.over_coded(unit.name, unit.entries, record, segment.claim(offset, nbytes), segment)
+        return segment.pack(name, entries, offset, nbytes)
+    claimed = segment.claim(offset, nbytes)
+    try:
+        return CodedPack.over_coded(name, entries, record, claimed, segment)
+    except BaseException:
+        segment.pack_freed()  # the claim no pack holds
+        raise
 
 
-def _decoded(pack: CodedPack, decode_on: torch.device | None, out: torch.Tensor) -> torch.Tensor:
+def decode_to(pack: CodedPack, decode_on: torch.device | None, out: torch.Tensor) -> torch.Tensor:
     """``pack``'s raw bytes written into ``out`` (host), decoded on ``decode_on`` when given (a GPU
     decodes many times faster than the host)."""
     if decode_on is not None:
@@ -295,162 +301,10 @@ def _same_bytes(one: UnitPack, other: UnitPack | None, decode_on: torch.device |
     """Whether two packs of a unit hold the same raw bytes, each decoded (on ``decode_on`` when given)
     if it is coded."""
     assert other is not None
-    return torch.equal(_raw_bytes(one, decode_on), _raw_bytes(other, decode_on))
+    return torch.equal(raw_bytes(one, decode_on), raw_bytes(other, decode_on))
 
 
-def _raw_bytes(pack: UnitPack, decode_on: torch.device | None) -> torch.Tensor:
+def raw_bytes(pack: UnitPack, decode_on: torch.device | None) -> torch.Tensor:
     if isinstance(pack, CodedPack):
-        return _decoded(pack, decode_on, torch.empty(pack.nbytes, dtype=torch.uint8, device="cpu"))
+        return decode_to(pack, decode_on, torch.empty(pack.nbytes, dtype=torch.uint8, device="cpu"))
     return pack.buffer
-
-
-# -- packs held uncompressed again --------------------------------------------------------------------------
-
-
-def raw_again(
-    units: Sequence[Unit], decode_on: torch.device | None, timeout_s: float | None = None
-) -> dict[str, UnitPack] | None:
-    """Packs over the node's raw segment for ``units`` (every unit whose pack is in one coded segment),
-    for a process that must hold them uncompressed (a plan with no room for the staging slots): the raw
-    segment live, or packed again from the coded one. None (the caller decodes into packs of its own,
-    with a warning) when the live raw segment holds other bytes, or another process packs it for longer
-    than ``timeout_s``."""
-    coded = _raw_segment(units)
-    index = coded.index
-    assert index is not None
-    raw_path = os.path.join(os.path.dirname(coded.path), index["raw"])
-    offsets = {entry[0]: entry[4] for entry in index["units"]}
-    layout = SegmentLayout(
-        tuple((u.name, u.entries, offsets[u.name], u.nbytes) for u in units),
-        index["raw_total"],
-        bytes.fromhex(index["raw_key"]),
-    )
-    deadline = time.monotonic() + (SHARED_CODED_TIMEOUT_S if timeout_s is None else timeout_s)
-    while True:
-        unpacked = _unpack_into_raw(raw_path, layout, coded, index["units"], decode_on)
-        if unpacked is not None:
-            fd, check = unpacked[1], False
-            coded.set_content(read_header(fd).instance)  # unpacked from it: the same bytes
-            break
-        with segment_mutex(raw_path):
-            state, fd = inspect_segment(raw_path, layout.key, layout.total)
-        if state == "ready" and fd is not None:
-            check = read_header(fd).instance != coded.read_content()[:16]
-            break
-        if state == "packing" and time.monotonic() >= deadline:
-            return None
-        time.sleep(POLL_S)
-    try:
-        segment = SharedSegment(raw_path, fd, layout.total, coded.pinned)
-    except BaseException:
-        leave_segment(raw_path, fd, os.getpid())
-        raise
-    packs = {u.name: segment.pack(u.name, u.entries, offsets[u.name], u.nbytes) for u in units}
-    if check and not all(_same_bytes(packs[u.name], u.pack, decode_on) for u in units):
-        logger.info("raw segment %s holds other weights than this process's", raw_path)
-        for pack in packs.values():
-            pack.free()
-        return None
-    return packs
-
-
-# -- processes whose parameters are on the meta device ------------------------------------------------------
-
-
-def coded_without_raw(raw_prefix: str, live: Sequence[str]) -> list[str] | None:
-    """The READY coded segments of the raw segments named ``raw_prefix*`` whose weights no live raw
-    segment (``live``, their paths) is known to hold: each is one more model on the node. None when one
-    of ``live`` was removed meanwhile (look again)."""
-    instances = {}
-    for path in live:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            instances[path] = read_header(fd).instance
-        finally:
-            os.close(fd)
-    found = []
-    for path in sorted(
-        p for p in glob.glob(glob.escape(_coded_name(raw_prefix)) + "*") if not p.endswith(".lock")
-    ):
-        with segment_mutex(path):
-            state, fd = inspect_segment(path, ANY_KEY)
-        if state != "ready" or fd is None:
-            continue
-        try:
-            content = read_header(fd).content
-        finally:
-            os.close(fd)
-        held_by = instances.get(_raw_name(path))
-        if held_by is None or content[: len(held_by)] != held_by:
-            found.append(path)
-    return found
-
-
-def raw_from_coded(
-    coded_path: str, layout: SegmentLayout, decode_on: torch.device | None
-) -> tuple[str, int] | None:
-    """Pack the raw segment of ``layout`` again from the coded segment at ``coded_path``, decoding it (on
-    ``decode_on`` when given). Returns the raw segment's path and an fd holding a shared lock on it, for
-    the caller to attach to; None when the coded segment is gone, or another process packs the raw one."""
-    with segment_mutex(coded_path):
-        state, fd = inspect_segment(coded_path, ANY_KEY)
-    if state != "ready" or fd is None:
-        return None
-    try:
-        header = read_header(fd)
-        index = json.loads(read_index(fd, header))
-        coded = SharedSegment(coded_path, fd, header.total, pin=False)
-    except BaseException:
-        leave_segment(coded_path, fd, os.getpid())
-        raise
-    raw_path = os.path.join(os.path.dirname(coded_path), index["raw"])
-    hold = coded.claim(0, 0)  # keeps the segment's hold while its packs below come and go
-    try:
-        unpacked = _unpack_into_raw(raw_path, layout, coded, index["units"], decode_on)
-        if unpacked is not None:
-            coded.set_content(read_header(unpacked[1]).instance)  # unpacked from it: the same bytes
-        return unpacked
-    finally:
-        del hold
-        coded.pack_freed()
-
-
-def _unpack_into_raw(
-    raw_path: str, layout: SegmentLayout, coded: SharedSegment, units: list, decode_on: torch.device | None
-) -> tuple[str, int] | None:
-    with segment_mutex(raw_path):
-        state, fd = inspect_segment(raw_path, layout.key, layout.total)
-        if state not in ("absent", "removed"):
-            if fd is not None:
-                os.close(fd)
-            return None
-        fd = create_segment(raw_path, layout.total, layout.key, b"")
-    try:
-        data = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=layout.total)
-        held = {name: (at, nbytes, record) for name, at, nbytes, record, _ in units}
-        target = raw
-        for name, entries, offset, nbytes in layout.units:
-            at, held_nbytes, record = held[name]
-            target = raw[offset : offset + nbytes]
-            if record is None:
-                target.copy_(coded.buffer[at : at + nbytes])
-                continue
-            pack = CodedPack.over_coded(name, entries, record, coded.claim(at, held_nbytes), coded)
-            try:
-                _decoded(pack, decode_on, target)
-            finally:
-                pack.free()
-        mark_ready(data)
-        del raw, target
-        data.close()
-        with segment_mutex(raw_path):
-            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive: this process and others attach now
-    except BaseException:
-        leave_segment(raw_path, fd, os.getpid())
-        raise
-    logger.info("unpacked the shared compressed weights of %s into %s", coded.path, raw_path)
-    return raw_path, fd

@@ -261,17 +261,17 @@ def pack_shared(
                 continue
             what, hint = f"another process to finish packing the weights into {path}", stuck
         else:
-            from .shared_coded import coded_without_raw, raw_from_coded
+            from .shared_unpack import coded_without_raw, raw_from_coded
 
             live = live_segments(prefix, layout)
             ready = [(path, fd) for path, fd in live if fd is not None]
             # Weights every process holds compressed have no live raw segment (see shared_coded.py).
-            coded = coded_without_raw(prefix, [path for path, _ in live])
-            if coded is None:  # a raw segment went while we looked: look again
+            coded = coded_without_raw(prefix, live, layout, decode_on)
+            if coded is None:  # a raw segment is being packed again: wait for it
                 for _, fd in ready:
                     os.close(fd)
-                continue
-            if len(live) + len(coded) > 1:
+                ready = []
+            elif len(live) + len(coded) > 1:
                 for _, fd in ready:
                     os.close(fd)
                 raise SharedMemoryError(
@@ -280,7 +280,7 @@ def pack_shared(
                     "the meta device, so it cannot tell which holds its weights; load the real weights in "
                     "this process (they are freed once it attaches), or set share_host_memory=False"
                 )
-            if coded:
+            elif coded:
                 unpacked = raw_from_coded(coded[0], layout, decode_on)
                 ready = [unpacked] if unpacked is not None else []
             if ready:
