@@ -293,15 +293,13 @@ def decode_to(pack: CodedPack, decode_on: torch.device | None, out: torch.Tensor
 
 
 def _holds(packs: dict[str, UnitPack], units: dict[str, Unit], decode_on: torch.device | None) -> bool:
-    """Whether the packs hold exactly the bytes of the units' own packs."""
-    return all(_same_bytes(pack, units[name].pack, decode_on) for name, pack in packs.items())
-
-
-def _same_bytes(one: UnitPack, other: UnitPack | None, decode_on: torch.device | None) -> bool:
-    """Whether two packs of a unit hold the same raw bytes, each decoded (on ``decode_on`` when given)
-    if it is coded."""
-    assert other is not None
-    return torch.equal(raw_bytes(one, decode_on), raw_bytes(other, decode_on))
+    """Whether the packs hold exactly the bytes of the units' own packs, each decoded if coded."""
+    for name, pack in packs.items():
+        mine = units[name].pack
+        assert mine is not None
+        if not torch.equal(raw_bytes(pack, decode_on), raw_bytes(mine, decode_on)):
+            return False
+    return True
 
 
 def raw_bytes(pack: UnitPack, decode_on: torch.device | None) -> torch.Tensor:
