@@ -290,6 +290,18 @@ def test_a_component_plans_again_when_the_memory_outside_it_grew(monkeypatch: py
     assert again.plan.predicted_peak_bytes <= limit and again.plan.streamed  # less room: some stream
     assert torch.equal(generate(), expected)
     assert engine.current is again  # planned once: what is outside did not grow again
+    # The caller freed it again: the room comes back, down to the outside first measured.
+    monkeypatch.setattr(
+        engine.store.runtime,
+        "memory_allocated",
+        lambda: planned.measurements.baseline_bytes + engine.store.device_bytes_held(),
+    )
+    assert torch.equal(generate(), expected)
+    back = engine.current
+    assert back is not again and back.measurements.baseline_bytes == planned.measurements.baseline_bytes
+    assert back.crowded_bytes == 0 and back.plan.resident == planned.plan.resident
+    assert torch.equal(generate(), expected)
+    assert engine.current is back
     flextensor.release(parts)
 
 

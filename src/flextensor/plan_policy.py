@@ -59,16 +59,23 @@ NO_BUDGET_DEVICE_FRACTION = 0.92
 """Without a budget the plan still has to fit the device: this share of its memory, leaving room for the
 caching allocator's fragmentation and other processes' contexts."""
 
+ROOM_BACK_SHARE = 0.05
+"""A plan made for more memory outside the model is made again when at least this share of the limit
+came back: the layout it costs is not made for a few bytes."""
+
 FAILED_LAYOUT_SHRINK = 0.9
 """After a plan's layout ran out of memory, the next plan's predicted peak stays under this share of it."""
 
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """A plan and the measurements it was made from, cached per input signature."""
+    """A plan and the measurements it was made from, cached per input signature. ``crowded_bytes``: how
+    far their baseline was raised above the one measured because the memory outside the model grew (see
+    PlanStates.plan_again_if_crowded), which it gives back when that memory is freed again."""
 
     measurements: Measurements
     plan: Plan
+    crowded_bytes: int = 0
 
 
 class PlanPolicy:

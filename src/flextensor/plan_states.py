@@ -19,7 +19,7 @@ from .layout import provisional_arena_bytes
 from .learning import Learning, Phase
 from .measurements import LinkModel, Measurements
 from .plan import Plan
-from .plan_policy import PlanEntry, PlanPolicy, without_coding
+from .plan_policy import ROOM_BACK_SHARE, PlanEntry, PlanPolicy, without_coding
 
 if TYPE_CHECKING:
     from .cuda_graphs import GraphCaptures
@@ -109,8 +109,11 @@ class PlanStates:
         order = [*result.order, *(u for u in self.order if u not in known)]
         self._finish_discovery(DiscoveryResult(order, dict(result.must_stay_resident)))
 
-    def install_plan(self, measurements: Measurements, plan: Plan | None = None) -> None:
-        """Plan from ``measurements`` (unless given), lay it out, and enter steady state."""
+    def install_plan(
+        self, measurements: Measurements, plan: Plan | None = None, crowded_bytes: int = 0
+    ) -> None:
+        """Plan from ``measurements`` (unless given), lay it out, and enter steady state. ``crowded_bytes``:
+        see PlanEntry."""
         measurements = self.policy.planned(measurements)  # as plans count them (what a profile saves)
         if plan is None:
             plan = self.policy.make_plan(measurements)
@@ -119,7 +122,7 @@ class PlanStates:
             if self.policy.decode_bps is not None and not plan.coded and self._streams_coded_packs(plan):
                 # A plan without coded loads (see [Note: compression yields to the budget]).
                 measurements = self._hold_uncompressed(measurements)
-            self._apply(PlanEntry(measurements, plan))
+            self._apply(PlanEntry(measurements, plan, crowded_bytes))
         except BaseException as exc:
             self.policy.layout_failed(plan, exc)
             self._profile_again_streaming_everything("the plan's layout failed")
@@ -137,21 +140,29 @@ class PlanStates:
         output. ``beside``: device bytes the pipeline's other components hold for their units, which the
         pipeline counts on its own (they leave the outside: counted in the plan too, the components would
         make each other give memory back at every step). Reads the allocator's counters (no device sync)
-        and plans only then; a pipeline's component asks before each step. Whether it planned. (A model
-        that no longer fits at all raises BudgetError here, its plans left as they were.)"""
+        and plans only then; a pipeline's component asks before each step. Once the outside shrinks
+        again by at least ROOM_BACK_SHARE of the limit, such a plan is made again with the room back (never
+        with less outside than was measured). Whether it planned. (A model that no longer fits at all
+        raises BudgetError here, its plans left as they were.)"""
         entry, limit = self.plans.get(signature), self.policy.memory_limit()
         if entry is None or limit is None or self.phase is not Phase.INFERENCE or self.graphs.layout_kept:
             return False
         if self.graphs.capturing():
             return False  # a layout would synchronise and allocate inside the capture
         grown = self.grown_outside(entry, beside)
-        if grown <= 0 or entry.plan.predicted_peak_bytes + grown <= limit:
+        if grown > 0 and entry.plan.predicted_peak_bytes + grown > limit:
+            logger.info("plan again: %d more bytes outside this model than when it was planned", grown)
+        elif (
+            grown < 0 and entry.crowded_bytes and min(-grown, entry.crowded_bytes) >= ROOM_BACK_SHARE * limit
+        ):
+            grown = -min(-grown, entry.crowded_bytes)  # back down to what was measured, not below
+            logger.info("plan again: %d bytes outside this model freed since it was planned", -grown)
+        else:
             return False
         outside = entry.measurements.baseline_bytes + grown
-        logger.info(
-            "plan again: %d more bytes outside this model than when it was planned (now %d)", grown, outside
+        self.install_plan(
+            replace(entry.measurements, baseline_bytes=outside), crowded_bytes=entry.crowded_bytes + grown
         )
-        self.install_plan(replace(entry.measurements, baseline_bytes=outside))
         return True
 
     def grown_outside(self, entry: PlanEntry, beside: int) -> int:
@@ -178,7 +189,7 @@ class PlanStates:
         self.policy.stop_coding()
         for signature, entry in list(self.plans.items()):  # made for coded loads: made again without
             raw = without_coding(entry.measurements)
-            self.plans[signature] = PlanEntry(raw, self.policy.make_plan(raw))
+            self.plans[signature] = PlanEntry(raw, self.policy.make_plan(raw), entry.crowded_bytes)
             self.recordings.pop(signature, None)
         return without_coding(measurements)
 
