@@ -59,7 +59,7 @@ ANY_KEY = b"*"
 class SegmentHeader:
     """What a segment's first page says: its size, layout key, content digest, the instance id drawn
     when it was created (a segment packed again under the same name gets another), and how many bytes
-    of index (a coded segment's, see shared_coded.py) follow the header page."""
+    of index (a coded segment's, see shared_coded.py) end the segment."""
 
     total: int
     key: bytes

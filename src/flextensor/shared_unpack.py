@@ -86,8 +86,7 @@ def raw_again(
     while True:
         unpacked = _unpack_into_raw(raw_path, layout, coded, index["units"], decode_on)
         if unpacked is not None:
-            fd, check = unpacked[1], False
-            coded.set_content(read_header(fd).instance)  # unpacked from it: the same bytes
+            fd, check = unpacked[1], False  # unpacked from the coded one: the same bytes
             break
         with segment_mutex(raw_path):
             state, fd = inspect_segment(raw_path, layout.key, layout.total)
