@@ -290,6 +290,12 @@ def test_a_component_plans_again_when_the_memory_outside_it_grew(monkeypatch: py
     assert again.plan.predicted_peak_bytes <= limit and again.plan.streamed  # less room: some stream
     assert torch.equal(generate(), expected)
     assert engine.current is again  # planned once: what is outside did not grow again
+    # A profile saved now is the measured one: the next run plans again only if its caller holds as much.
+    from flextensor.profile_reuse import snapshot_profile
+
+    saved = snapshot_profile(engine)
+    assert saved.measurements.baseline_bytes == planned.measurements.baseline_bytes
+    assert saved.plan.resident == planned.plan.resident
     # The caller freed it again: the room comes back, down to the outside first measured.
     monkeypatch.setattr(
         engine.store.runtime,

@@ -75,16 +75,24 @@ def snapshot_profile(engine: OffloadEngine) -> Profile:
             f"nothing to save yet: the model is in its {engine.phase.value} phase; run forwards until "
             "flextensor.phase(model) == 'inference', then save"
         )
+    measurements, plan = entry.measurements, entry.plan
+    if entry.crowded_bytes:
+        # Planned for memory the caller held then (see PlanStates.plan_again_if_crowded): the next run
+        # starts from what was measured, and plans again if its caller holds as much.
+        measurements = dataclasses.replace(
+            measurements, baseline_bytes=measurements.baseline_bytes - entry.crowded_bytes
+        )
+        plan = engine.policy.make_plan(measurements)
     streamed = {fqn for unit in engine.units.values() for fqn, _, _ in unit.parameters}
     return Profile(
-        fingerprint=engine_fingerprint(engine, entry.measurements.input_shapes),
+        fingerprint=engine_fingerprint(engine, measurements.input_shapes),
         order=tuple(u.name for u in engine.order),
         unit_parameters={
             name: tuple(fqn for fqn, _, _ in unit.parameters) for name, unit in engine.units.items()
         },
         resident_parameters=tuple(n for n, _ in engine.model.named_parameters() if n not in streamed),
-        measurements=entry.measurements,
-        plan=entry.plan,
+        measurements=measurements,
+        plan=plan,
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         flextensor_version=__version__,
         host=engine.policy.host,
