@@ -436,3 +436,28 @@ def test_a_list_of_one_block_makes_that_block_a_unit_not_its_layers() -> None:
             self.norm = nn.LayerNorm(8)
 
     assert default_unit_patterns(Connector()) == ("transformer_blocks.*",)
+
+
+@torch.no_grad()
+def test_a_torch_profiler_sees_what_a_switch_between_components_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Components that take turns give their memory back and lay out again at each switch: under a torch
+    profiler those appear as named ranges (vacate, lay_out, one upload per resident unit), so a trace
+    shows where a pipeline's time between its phases goes."""
+    parts, generate, expected = two_stacks(monkeypatch, "300KiB")
+    engines = [engine_of(parts["first"]), engine_of(parts["second"])]
+    for engine in engines:  # the caller holds enough that the two no longer fit together
+        monkeypatch.setattr(
+            engine.store.runtime,
+            "memory_allocated",
+            lambda: 100_000 + sum(e.store.device_bytes_held() for e in engines),
+        )
+    assert torch.equal(generate(), expected)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert torch.equal(generate(), expected)
+    names = {event.name for event in prof.events()}
+    assert "flextensor.vacate" in names, names
+    assert names & {"flextensor.lay_out", "flextensor.lay_out_ahead"}, names
+    assert {f"flextensor.upload {i}" for i in range(6)} <= names, names
+    flextensor.release(parts)

@@ -8,6 +8,7 @@ work is synchronous. Nothing here touches CUDA until a target for a CUDA device 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -89,6 +90,15 @@ class HostStream:
 
 
 logger = logging.getLogger("flextensor")
+
+
+def profiler_range(name: str) -> contextlib.AbstractContextManager:
+    """A range named ``name`` in the trace of a torch profiler running now (Kineto, or NVTX for Nsight),
+    else nothing: for plan-time work (layouts, uploads, vacating), so that a trace of a pipeline shows
+    what a switch between its components costs. The steady forward has ranges of its own (steady.py)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 class HostCalls:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .device import DeviceRuntime
+from .device import DeviceRuntime, profiler_range
 from .errors import PlanError
 from .host_budget import HostBudget
 from .host_store import UnitPack
@@ -195,7 +195,8 @@ class DeviceStore:
         assert not (ahead and self.device_bytes_held()), "a layout ahead starts from a vacated store"
         # Device buffers are normal tensors even when a forward under inference_mode lays them out:
         # inference tensors carry no version counter, which in-place edits of weights are detected by.
-        with torch.inference_mode(False), torch.no_grad():
+        what = "flextensor.lay_out_ahead" if ahead else "flextensor.lay_out"
+        with torch.inference_mode(False), torch.no_grad(), profiler_range(what):
             if not ahead:
                 self._lay_out(streamed, resident, arena_bytes, staged)
                 return
@@ -329,6 +330,11 @@ class DeviceStore:
     def _upload_resident(self, unit: Unit) -> None:
         """Give a unit entering residency storage of its own, holding its weights for good."""
         assert unit.pack is not None  # only a unit with device storage may lack its pack
+        with profiler_range(f"flextensor.upload {unit.name}"):
+            self._upload(unit)
+
+    def _upload(self, unit: Unit) -> None:
+        assert unit.pack is not None
         storage = allocate_device_bytes(unit.nbytes, self.runtime.device)
         if unit.pack.coded and self.runtime.is_cuda:
             # Decoded on the device: the host's decoder runs at about 0.2 GB/s, 2 s per 8B-model layer.
@@ -409,6 +415,10 @@ class DeviceStore:
     def vacate(self) -> None:
         """Give back every device byte held for units (the arena, resident storage): each unit keeps only
         its host pack until the next layout. Plan time only: synchronises the device."""
+        with profiler_range("flextensor.vacate"):
+            self._vacate()
+
+    def _vacate(self) -> None:
         self.runtime.synchronize()
         for unit in self.units:
             if unit.resident:
