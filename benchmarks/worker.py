@@ -150,6 +150,36 @@ def count_h2d_bytes(step: Callable[[], Any], device: str) -> dict[str, Any]:
     return out
 
 
+def profile_step(
+    step: Callable[[], Any], device: str, trace_dir: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One more step under torch.profiler (env FLEXTENSOR_BENCH_PROFILE=summary, or =<dir> to also write
+    the Chrome trace to ``<dir>/<workload>-<method>.json.gz``: large for a long step); returned,
+    flextensor's named ranges (the steady forward's waits and prefetches, and the plan-time layouts,
+    uploads and vacates of a pipeline's switches) as count and host milliseconds per kind."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    kinds: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.name.startswith("flextensor."):
+            kind = event.name.split(" ")[0]
+            entry = kinds.setdefault(kind, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.cpu_time_total / 1000.0
+    ranges = {k: {"count": n, "host_ms": round(ms, 3)} for k, (n, ms) in kinds.items()}
+    if trace_dir == "summary":
+        return {"ranges": ranges}
+    os.makedirs(trace_dir, exist_ok=True)
+    name = f"{args.workload}-{args.method.replace('/', '_').replace(':', '_')}.json.gz"
+    prof.export_chrome_trace(os.path.join(trace_dir, name))
+    return {"trace": os.path.join(trace_dir, name), "ranges": ranges}
+
+
 def save_output(out: torch.Tensor, path: Path) -> str:
     """Save ``out`` as .npy for the parent, which compares without importing torch (numpy has no
     bfloat16: its bits are saved as int16 and the dtype goes in the record)."""
@@ -341,6 +371,12 @@ def _run(args: argparse.Namespace) -> None:
             )
             rec.save(output_dtype=save_output(out, Path(args.output)))
             del first
+            trace_dir = os.environ.get("FLEXTENSOR_BENCH_PROFILE")
+            if trace_dir:
+                stage = "profile"
+                rec.save(
+                    profile=profile_step(lambda: run_step(prep.model, w, inputs), device, trace_dir, args)
+                )
 
             stage = "streamed"
             if prep.details is not None:

@@ -5,7 +5,8 @@
 # PART=3: flextensor 0.5.0, diffusers' enable_model_cpu_offload (about 80 s a generation). Each method
 # builds the pipeline afresh (~45 s) and runs 1-3 warm-up generations and 2 timed ones (28 s natively);
 # ours takes about 220 s in all, native 250 s (2026-12-04 18:05).
-# METHODS overrides the part's list.
+# METHODS overrides the part's list. PROFILE=1 profiles one more generation of each method and prints
+# flextensor's ranges (layouts, uploads, vacates at the switches; waits and prefetches in the steps).
 #   device tool: carry [".whl"], command: PART=1 bash scripts/gpu_pipeline_check.sh
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -16,6 +17,7 @@ case "${PART:-1}" in
 *) methods="flextensor050,diffusers_model_offload" ;;
 esac
 methods=${METHODS:-$methods}
+if [ -n "${PROFILE:-}" ]; then export FLEXTENSOR_BENCH_PROFILE=summary; fi
 python3 -m benchmarks.run --workload wan22_pipeline --device cuda --out "$out" --deadline "${DEADLINE:-560}" --timeout 330 \
     --min-steps 2 --max-steps 2 --methods "$methods" 2>&1 | tail -12
 python3 - "$out" <<'PY'
@@ -26,4 +28,6 @@ for r in json.load(open(path))["runs"]:
     peaks = {k: round(v / 1e9, 2) for k, v in last.get("phase_peak_allocated_bytes", {}).items()}
     print(r["method_spec"], r["status"], r.get("step_s"), "phases s:", last.get("phase_s"), "peaks GB:", peaks,
           "rss GB:", round((r.get("host_rss_peak_bytes") or 0) / 1e9, 1), (r.get("reason") or "")[:300])
+    if r.get("profile"):
+        print("  flextensor ranges:", r["profile"]["ranges"])
 PY
