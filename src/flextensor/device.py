@@ -92,11 +92,17 @@ class HostStream:
 logger = logging.getLogger("flextensor")
 
 
+def profiler_running() -> bool:
+    """Whether a torch profiler (Kineto, or NVTX ranges for Nsight) records right now: asked once per
+    forward, so that forwards without one pay for no range (see steady.ProfiledStep)."""
+    return torch._C._autograd._profiler_enabled()
+
+
 def profiler_range(name: str) -> contextlib.AbstractContextManager:
-    """A range named ``name`` in the trace of a torch profiler running now (Kineto, or NVTX for Nsight),
-    else nothing: for plan-time work (layouts, uploads, vacating), so that a trace of a pipeline shows
-    what a switch between its components costs. The steady forward has ranges of its own (steady.py)."""
-    if torch._C._autograd._profiler_enabled():
+    """A range named ``name`` in the trace of a torch profiler running now, else nothing: for plan-time
+    work (layouts, uploads, vacating), so that a trace of a pipeline shows what a switch between its
+    components costs. The steady forward has ranges of its own (steady.ProfiledStep)."""
+    if profiler_running():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
 

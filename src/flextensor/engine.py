@@ -22,7 +22,7 @@ from torch import nn
 from .autograd_guard import StreamedWeightGuard
 from .config import OffloadConfig
 from .cuda_graphs import GraphCaptures
-from .device import Target
+from .device import Target, profiler_running
 from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryStep
 from .errors import UnsupportedOperationError
 from .layout import provisional_arena_bytes
@@ -38,7 +38,6 @@ from .steady import (
     OutsideForwardStep,
     ProfiledStep,
     RecordedStep,
-    profiler_running,
     steady_step,
 )
 from .timeline import StepRecorder

@@ -33,7 +33,6 @@ __all__ = [
     "ProfiledStep",
     "RecordedStep",
     "SteadyStep",
-    "profiler_running",
     "steady_step",
 ]
 
@@ -218,12 +217,6 @@ class ProfiledStep(SteadyStep):
                 super().post(unit, output)
         else:
             super().post(unit, output)
-
-
-def profiler_running() -> bool:
-    """Whether a torch profiler (Kineto, or NVTX ranges for Nsight) records right now: asked once per
-    forward, so that forwards without one pay for no range."""
-    return torch._C._autograd._profiler_enabled()
 
 
 class OutsideForwardStep:
