@@ -4,7 +4,10 @@
     python -m benchmarks.run --workload llama32 --methods native,ours,ours_budget:8GiB,accelerate/max_steps=3
 
 Native (the reference) runs first; every other method's output is compared with it: ``bitwise`` or
-the largest absolute difference. Each method's process gets a timeout, and the whole invocation a
+the largest absolute difference. ``--reference FILE`` takes native's run from an earlier invocation's
+file instead, where this one runs no native (its time, and its output by SHA-256: every run records
+``output_sha256``), so that a long workload's peers need not run native again in each device call. Each
+method's process gets a timeout, and the whole invocation a
 deadline (``--deadline``), past which remaining methods are recorded as skipped: one full comparison
 fits one 10-minute call on the GPU machine. The file is rewritten after every method, so a killed
 invocation still leaves everything finished so far. The table printed last is the report's table.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -182,12 +186,21 @@ def compare(rec: dict[str, Any], ref: dict[str, Any] | None) -> None:
 
     numpy, not torch: the parent stays a light process (outputs are a few MB at most).
     """
-    if rec.get("status") != "ok" or ref is None:
+    if rec.get("status") != "ok":
+        return
+    if rec.get("output_path") and "output_sha256" not in rec:
+        rec["output_sha256"] = output_digest(rec["output_path"])
+    if ref is None:
         return
     rec["reference"] = ref["method"]
     rec["ratio_to_native"] = round(rec["step_s"] / ref["step_s"], 4) if ref.get("step_s") else None
     if rec is ref:
         rec["output_match"] = "reference"
+        return
+    if not ref.get("output_path") and rec.get("output_sha256") and ref.get("output_sha256"):
+        # A reference from an earlier invocation's file: only its digest is left, so no difference figures.
+        same = rec["output_sha256"] == ref["output_sha256"]
+        rec["output_match"] = "bitwise" if same else "differs"
         return
     if not (rec.get("output_path") and ref.get("output_path")):
         rec["output_match"] = "missing"
@@ -205,6 +218,32 @@ def compare(rec: dict[str, Any], ref: dict[str, Any] | None) -> None:
         rec["output_match"] = "differs"
         rec["max_abs_diff"] = float(np.nan_to_num(diff, nan=np.inf).max())
         rec["mismatch_fraction"] = round(float((a != b).mean()), 6)
+
+
+def output_digest(path: str) -> str:
+    """SHA-256 of an output's dtype, shape and bytes: what ``--reference`` compares across invocations."""
+    array = _load_output(path)
+    digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def reference_from_file(path: str, workload: str) -> dict[str, Any]:
+    """Native's run (uncompiled, ok, with an output digest) of ``workload`` in an earlier result file."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("workload") != workload:
+        raise SystemExit(f"--reference {path}: a {doc.get('workload')} file, not {workload}")
+    for run in doc.get("runs", []):
+        if run.get("family") != "native" or run.get("status") != "ok":
+            continue
+        if "compile" not in parse_method(run["method_spec"]).options:
+            if not run.get("output_sha256"):
+                raise SystemExit(f"--reference {path}: its native run has no output_sha256 (an older file)")
+            kept = ("method", "method_spec", "step_s", "output_sha256", "output_shape", "output_dtype")
+            ref = {k: run.get(k) for k in kept}
+            ref["method"] = f"{run['method']} ({Path(path).name})"
+            return ref
+    raise SystemExit(f"--reference {path}: no native run that finished")
 
 
 def order_methods(specs: list[str]) -> list[str]:
@@ -232,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="weight cache: built by a process of its own before the methods (first), by the first worker "
         "(inline), or first on cuda and inline on cpu (auto, default)",
+    )
+    p.add_argument(
+        "--reference",
+        help="an earlier result file of this workload whose native run is the reference, where this "
+        "invocation runs none (outputs compared by SHA-256)",
     )
     p.add_argument("--jobs", type=int, default=1, help="methods at once after the reference (CPU only)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (0: default)")
@@ -264,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = order_methods([s for s in (args.methods.split(",") if args.methods else w.methods) if s.strip()])
     for s in specs:
         parse_method(s)  # fail on a typo now, not after minutes of other methods
+    file_ref = reference_from_file(args.reference, w.name) if args.reference else None
     if args.jobs > 1 and args.device.startswith("cuda"):
         p.error("--jobs > 1 only on cpu: GPU timings need the machine to themselves")
 
@@ -356,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ok_refs = [s for s in refs if records[s].get("status") == "ok"]
     plain = [s for s in ok_refs if "compile" not in parse_method(s).options]
     ref = records[plain[0]] if plain else None
+    if ref is None:
+        ref = file_ref
     for s in ok_refs:
         mode = parse_method(s).options.get("compile")
         if mode is not None:

@@ -5,6 +5,8 @@
 # PART=3: flextensor 0.5.0, diffusers' enable_model_cpu_offload (about 80 s a generation). Each method
 # builds the pipeline afresh (~45 s) and runs 1-3 warm-up generations and 2 timed ones (28 s natively);
 # ours takes about 220 s in all, native 250 s (2026-12-04 18:05).
+# REFERENCE=<a result file of PART=1, copied into the repo> compares PART=2 and 3 with that native run
+# (time, and output by SHA-256) instead of running native again: ~170 s saved per call.
 # METHODS overrides the part's list. PROFILE=1 profiles one more generation of each method and prints
 # flextensor's ranges (layouts, uploads, vacates at the switches; waits and prefetches in the steps).
 #   device tool: carry [".whl"], command: PART=1 bash scripts/gpu_pipeline_check.sh
@@ -18,8 +20,10 @@ case "${PART:-1}" in
 esac
 methods=${METHODS:-$methods}
 if [ -n "${PROFILE:-}" ]; then export FLEXTENSOR_BENCH_PROFILE=summary; fi
+reference=()
+if [ -n "${REFERENCE:-}" ]; then reference=(--reference "$REFERENCE"); fi
 python3 -m benchmarks.run --workload wan22_pipeline --device cuda --out "$out" --deadline "${DEADLINE:-560}" --timeout 330 \
-    --min-steps 2 --max-steps 2 --methods "$methods" 2>&1 | tail -12
+    --min-steps 2 --max-steps 2 --methods "$methods" "${reference[@]}" 2>&1 | tail -12
 python3 - "$out" <<'PY'
 import glob, json, sys
 path = sorted(glob.glob(f"{sys.argv[1]}/wan22_pipeline-cuda-*.json"))[-1]

@@ -43,7 +43,7 @@ RUN_FIELDS = {
     "steps", "step_times_s", "step_s", "ratio_to_native", "repeatable", "reference",
     "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "host_rss_peak_bytes", "host_rss_steady_bytes",
     "bytes_streamed_per_step", "bytes_streamed_source", "streamed_GBps",
-    "output_match", "output_finite", "output_shape", "output_dtype", "wall_s",
+    "output_match", "output_finite", "output_shape", "output_dtype", "output_sha256", "wall_s",
 }  # fmt: skip
 
 
@@ -189,6 +189,38 @@ def test_method_specs_and_sizes_parse() -> None:
     for bad in ("nope", "ours_budget", "ours/steps=3", "ours/compile=fast"):
         with pytest.raises(ValueError):
             parse_method(bad)
+
+
+def test_a_later_invocation_compares_with_native_from_an_earlier_file(
+    results: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """``--reference FILE``: an invocation that runs no native takes native's time and output digest from
+    an earlier result file (a long workload's peers in a device call of their own); an output that
+    differs is reported as such."""
+    earlier = results["llama_tiny_decode_static"]
+    reference = tmp_path / "earlier.json"
+    reference.write_text(json.dumps(earlier))
+    altered = json.loads(json.dumps(earlier))
+    next(r for r in altered["runs"] if r["method_spec"] == "native")["output_sha256"] = "0" * 64
+    other = tmp_path / "altered.json"
+    other.write_text(json.dumps(altered))
+    found = {}
+    for name, path in (("same", reference), ("altered", other)):
+        cmd = [sys.executable, "-m", "benchmarks.run", "--workload", "llama_tiny_decode_static"]
+        cmd += ["--methods", "ours", "--reference", str(path), "--device", "cpu"]
+        cmd += ["--out", str(tmp_path / name), "--threads", "1", "--min-steps", "2", "--max-steps", "2"]
+        env = dict(os.environ, FLEXTENSOR_BENCH_CACHE=str(tmp_path / "cache"))
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT_FILE="))
+        doc = json.loads(Path(line.split("=", 1)[1]).read_text())
+        assert doc["reference"] == f"native ({path.name})"
+        (found[name],) = doc["runs"]
+    native = next(r for r in earlier["runs"] if r["method_spec"] == "native")
+    assert found["same"]["output_match"] == "bitwise"
+    assert found["same"]["output_sha256"] == native["output_sha256"]
+    assert found["same"]["ratio_to_native"] == round(found["same"]["step_s"] / native["step_s"], 4)
+    assert found["altered"]["output_match"] == "differs"
 
 
 def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path: Path) -> None:
