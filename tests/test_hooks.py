@@ -232,3 +232,59 @@ def test_grad_enabled_forward_with_storage_less_saved_tensors_runs() -> None:
     for _ in range(4):
         assert torch.equal(model(x).detach(), ref)  # grad enabled: the saved-tensor guard is active
     assert flextensor.phase(model) == "inference"
+
+
+class _TiedBlock(nn.Module):
+    """Two linear layers sharing one weight: a weight tied within a unit, with a name for each holder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.second = nn.Linear(16, 16)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+class _TiedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_TiedBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_weight_tied_within_a_unit_reads_right_under_every_name_and_keeps_its_tie() -> None:
+    """state_dict() holds a key for each name of a tied weight: every one is the host copy (found wrong
+    before: the last name only, the others read the arena, which held another unit's bytes), one tensor
+    for both as in the model's own; load_state_dict through either name is refused; an edit keeps the
+    weight's name, and release() keeps the tie."""
+    torch.manual_seed(0)
+    original = _TiedStack()
+    expected = {k: v.clone() for k, v in original.state_dict().items()}
+    x = torch.randn(3, 16)
+    ref = run_forwards(original, x, 1)[0]
+    model = flextensor.offload(original, streaming_config(original, include=["blocks.*"]))
+    assert_all_equal(run_forwards(model, x, LEARN + 2), ref)
+    assert flextensor.status(model).plan.streamed, "units stream under the tightest budget"
+    state = model.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    for block in range(4):
+        first, second = f"blocks.{block}.first.weight", f"blocks.{block}.second.weight"
+        assert state[first] is state[second]
+    for name in ("blocks.3.first.weight", "blocks.3.second.weight"):
+        with pytest.raises(UnsupportedOperationError, match="editing"):
+            model.load_state_dict({name: torch.zeros(16, 16)}, strict=False)
+    with flextensor.editing(model), torch.no_grad():
+        model.blocks[3].second.weight.mul_(2)
+    assert "blocks.3.first.weight" in flextensor.offloaded_parameters(model)
+    assert torch.equal(model.state_dict()["blocks.3.second.weight"], 2 * expected["blocks.3.first.weight"])
+    released = flextensor.release(model)
+    assert released.blocks[3].first.weight is released.blocks[3].second.weight
+    assert torch.equal(released.blocks[3].first.weight, 2 * expected["blocks.3.first.weight"])

@@ -18,7 +18,16 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .host_store import PackedParameter, UnitPack
 
-__all__ = ["Placement", "Unit"]
+__all__ = ["Placement", "Unit", "parameter_aliases"]
+
+
+def parameter_aliases(model: nn.Module) -> dict[int, list[str]]:
+    """id of each parameter -> every name it has in ``model`` (a tied weight has several), in
+    ``named_parameters`` order."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
 
 
 class Placement(enum.Enum):

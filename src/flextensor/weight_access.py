@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import UnsupportedOperationError
 from .slots import DeviceStore
-from .units import Unit
+from .units import Unit, parameter_aliases
 from .weight_edits import unguard_parameter
 
 logger = logging.getLogger("flextensor")
@@ -52,21 +52,24 @@ class StreamedWeights:
         self._on_leave = on_leave  # a weight left the stream (the engine re-arms its edit watch)
         self.outside_reads = 0  # weights found read outside their unit since reset_counts()
 
-    def _names_now(self) -> dict[int, str]:
-        # A module added since offload() (a LoRA layer) may have renamed a parameter.
-        return {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+    def _names_now(self) -> dict[int, list[str]]:
+        """Every name of each parameter now: a weight tied within a unit has several (``state_dict()``
+        holds a key for each), and a module added since offload() (a LoRA layer) may have renamed one."""
+        return parameter_aliases(self.model)
 
     def state_dict_entries(self, prefix: str) -> list[tuple[str, torch.Tensor]]:
-        """(key, tensor) for every streamed parameter: its kept copy, since its arena range may hold
-        another unit's bytes. Each tensor has a storage of its own (torch.save and safetensors refuse
-        one storage viewed as several dtypes)."""
+        """(key, tensor) for every name of every streamed parameter: its kept copy, since its arena range
+        may hold another unit's bytes; a tied weight's names share one tensor, as in the model's own
+        ``state_dict()``. Each tensor has a storage of its own (torch.save and safetensors refuse one
+        storage viewed as several dtypes)."""
         names = self._names_now()
         entries = []
         for unit in self.units.values():
             if unit.resident or unit.pack is None:
                 continue
             for fqn, param, entry in unit.parameters:
-                entries.append((prefix + names.get(id(param), fqn), unit.pack.standalone_view(entry)))
+                kept = unit.pack.standalone_view(entry)
+                entries += [(prefix + name, kept) for name in names.get(id(param), [fqn])]
         return entries
 
     def refuse_load_state_dict(self, state_dict: dict[str, Any], prefix: str) -> None:
@@ -77,7 +80,7 @@ class StreamedWeights:
             if unit.resident:
                 continue
             for fqn, param, _ in unit.parameters:
-                if prefix + names.get(id(param), fqn) in state_dict:
+                if any(prefix + name in state_dict for name in names.get(id(param), [fqn])):
                     raise UnsupportedOperationError(
                         f"load_state_dict() would write the offloaded weight {fqn!r} into the shared device "
                         "arena; load inside `with flextensor.editing(model): ...`, or call "

@@ -46,7 +46,7 @@ from torch import nn
 
 from .errors import NotOffloadedError, UnsupportedOperationError
 from .host_store import UnitPack
-from .units import Placement, Unit
+from .units import Placement, Unit, parameter_aliases
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
@@ -324,7 +324,7 @@ class EditSession:
         engine.editing = None
         runtime = engine.runtime
         runtime.synchronize()
-        names = {id(p): n for n, p in engine.model.named_parameters(remove_duplicate=False)}
+        names = parameter_aliases(engine.model)
         refused: list[str] = []
         with torch.inference_mode(False), torch.no_grad():
             for unit in engine.units.values():
@@ -351,12 +351,14 @@ class EditSession:
                 "change them, then offload again"
             )
 
-    def _rename(self, unit: Unit, names: dict[int, str]) -> None:
+    def _rename(self, unit: Unit, names: dict[int, list[str]]) -> None:
         """Follow the parameters of ``unit`` to their names now (a LoRA layer wraps a linear layer: its
-        weight becomes ``...base_layer.weight``); forget those no longer in the model."""
+        weight becomes ``...base_layer.weight``; a tied weight keeps the name it had while that is still
+        one of its names); forget those no longer in the model."""
         kept = []
         for fqn, param, entry in unit.parameters:
-            name = names.get(id(param))
+            now = names.get(id(param))
+            name = None if not now else fqn if fqn in now else now[0]
             if name is None:
                 logger.info("offloaded parameter %s left the model while editing; no longer streamed", fqn)
                 self.engine.owner_of.pop(id(param), None)
@@ -398,7 +400,7 @@ class EditSession:
                 for _, param, entry in unit.parameters:
                     param.data = torch.empty(0, dtype=entry.dtype, device=device)
 
-    def _added_parameters(self, names: dict[int, str]) -> dict[str, str]:
+    def _added_parameters(self, names: dict[int, list[str]]) -> dict[str, str]:
         """Parameters inside offload units that belong to no unit (added while editing): FQN -> why they
         stay resident."""
         engine = self.engine
