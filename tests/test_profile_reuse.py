@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,35 @@ def test_a_profile_whose_run_stopped_streaming_a_unit_starts_the_next_run(tmp_pa
     assert flextensor.offload_units(second) == flextensor.offload_units(first)
     with torch.no_grad():
         assert torch.equal(second(x), ref)
+
+
+def test_a_weight_read_outside_a_unit_the_profile_keeps_resident_is_found_by_the_check(
+    tmp_path: Path,
+) -> None:
+    """The first forward from a profile watches the units its plan keeps resident too: a weight of theirs
+    read outside its unit (the code changed since the profile) leaves the stream before a later plan
+    streams that unit (found wrong before: the check watched streamed units only, and the next input
+    shape's plan streamed blocks.0 with the read going to the arena)."""
+    path = tmp_path / "p.json"
+    x, wide = torch.randn(4, 16), torch.randn(64, 16)
+    first = _Blocks()
+    flextensor.offload(first, streaming_config(first, ["blocks.*"]))
+    _steady(first, x)
+    flextensor.save_profile(first, path)
+    saved = json.loads(path.read_text())
+    plan = saved["plan"]  # as a planner with room to spare could have chosen: blocks.0 resident
+    plan["resident"], plan["streamed"] = ["blocks.0"], [u for u in plan["streamed"] if u != "blocks.0"]
+    path.write_text(json.dumps(saved))
+
+    changed = _Blocks(reads_outside=True)
+    with torch.no_grad():
+        refs = changed(x), changed(wide)
+    second = _Blocks(reads_outside=True)
+    flextensor.offload(second, streaming_config(second, ["blocks.*"]).model_copy(update={"profile": path}))
+    assert flextensor.status(second).plan.resident == ("blocks.0",)
+    with torch.no_grad():
+        assert torch.equal(second(x), refs[0])  # the checking forward
+        assert "blocks.0.weight" in flextensor.resident_parameters(second)
+        for _ in range(5):  # a new input shape: learnt and planned, blocks.0 streamed
+            assert torch.equal(second(wide), refs[1])
+        assert torch.equal(second(x), refs[0])

@@ -237,10 +237,14 @@ class OffloadEngine(PlanStates):
     def _driver(self) -> Any:
         if self.phase is Phase.DISCOVERY or (self.phase is Phase.INFERENCE and self._check_next):
             self.weights.outside_reads = 0
-            # Resident units carry no hooks in steady state: their weights are never read "outside".
-            streamed = {pid: u for pid, u in self.owner_of.items() if not u.resident}
+            if self.phase is Phase.INFERENCE:
+                # The check watches the units the plan keeps resident too (hooked for this forward only):
+                # a weight of theirs read outside its unit would read the arena once a later plan streams
+                # the unit (found: a profile's resident unit, read outside it, wrong after a new shape).
+                self.hooks.hook_units(self.units.values())
+            weights, watched = self.weights, dict(self.owner_of)
             checks = BehaviourChecks(
-                self.store, streamed, self.weights.keep_read_outside_resident, self.weights.keep_unit_resident
+                self.store, watched, weights.keep_read_outside_resident, weights.keep_unit_resident
             )
             recorder = StepRecorder(self.runtime, self.forwards)
             if self.phase is Phase.DISCOVERY:
@@ -321,6 +325,8 @@ class OffloadEngine(PlanStates):
             driver.recorder.finish()
             self._keep_recording(driver.recorder)
             self._after_check(result)
+            if self.phase is Phase.INFERENCE:
+                self._enter(Phase.INFERENCE)  # resident units lose the check's hooks
         elif isinstance(driver, ProfilingStep):
             if error is None:
                 # Only a whole forward is read: one interrupted between creating a unit's end event and
