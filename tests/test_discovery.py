@@ -157,3 +157,60 @@ def test_a_forward_that_raises_does_not_count_as_a_learning_forward() -> None:
     assert_all_equal(run_forwards(model, x, LEARN), ref)
     assert flextensor.phase(model) == "inference"
     assert flextensor.offload_units(model) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def _tiny_umt5() -> nn.Module:
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(vocab_size=512, d_model=32, d_kv=8, d_ff=32, num_layers=3, num_heads=2)
+    torch.manual_seed(0)
+    return UMT5EncoderModel(config).eval()
+
+
+def test_a_token_embedding_tied_to_a_holder_that_never_runs_streams_and_the_holder_loads_it() -> None:
+    """UMT5's embedding: the unit ``encoder.embed_tokens`` runs, ``shared`` holds the same weight and never
+    runs. The weight streams with its unit (it stayed on the device before: 2.1 GB of UMT5-XXL in every
+    phase of a Wan pipeline), and ``shared``, the unit's alias, loads it when called (see [Note: tied
+    aliases] in discovery.py). Every unit streams; outputs, state_dict and release as without offload."""
+    pytest.importorskip("transformers")
+    reference = _tiny_umt5()
+    ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, embedded = reference(input_ids=ids).last_hidden_state, reference.shared(ids)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    model = _tiny_umt5()
+    model = flextensor.offload(model, streaming_config(model, ["encoder.embed_tokens", "encoder.block.*"]))
+    assert "shared.weight" in flextensor.offloaded_parameters(model)  # the tied weight's first name
+    with torch.no_grad():
+        for _ in range(LEARN + 2):
+            assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
+        assert flextensor.status(model).plan.streamed == tuple(flextensor.offload_units(model))
+        assert torch.equal(model.get_input_embeddings()(ids), embedded)  # the alias, called
+        assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
+    assert "shared.weight" in flextensor.offloaded_parameters(model)  # called after learning: still streams
+    now = model.state_dict()
+    assert all(torch.equal(now[k], v) for k, v in state.items())
+    released = flextensor.release(model)
+    assert released.shared.weight is released.encoder.embed_tokens.weight
+    assert torch.equal(released.shared.weight, state["shared.weight"])
+
+
+def test_a_tied_holder_that_runs_makes_its_unit_resident_and_outputs_stay_right(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Llama with tied embeddings whose embedding is a unit: lm_head, its alias, runs at every forward's
+    end, where the learned order does not expect the unit; discovery keeps it resident instead."""
+    from real_models import llama_inputs, tiny_llama
+
+    x = llama_inputs()
+    with torch.no_grad():
+        expected = tiny_llama(vocab=512)(x).logits
+        generated = tiny_llama(vocab=512).generate(x, max_new_tokens=3, do_sample=False)
+    model = tiny_llama(vocab=512)
+    model = flextensor.offload(model, streaming_config(model, ["model.embed_tokens", "model.layers.*"]))
+    assert "model.embed_tokens.weight" in flextensor.offloaded_parameters(model)
+    with caplog.at_level(logging.INFO, logger="flextensor"):
+        assert_all_equal(run_forwards(model, x, LEARN + 2), expected)
+    assert "model.embed_tokens.weight" in flextensor.resident_parameters(model)
+    assert "tied to 'lm_head', which runs too" in caplog.text
+    assert torch.equal(model.generate(x, max_new_tokens=3, do_sample=False), generated)

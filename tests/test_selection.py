@@ -49,7 +49,10 @@ def assert_partition(model: nn.Module, sel: Selection) -> None:
     assert sorted([*streamed, *sel.resident_parameters]) == sorted(params_of(model))
     assert len(set(streamed)) == len(streamed)
     for unit, names in sel.unit_parameters.items():
-        assert all(name.startswith(unit + ".") for name in names)
+        # Named as named_parameters() names them: a weight tied to a holder outside (an alias) may be
+        # named there, but the unit holds it.
+        held = {id(p) for p in model.get_submodule(unit).parameters()}
+        assert all(id(model.get_parameter(name)) in held for name in names)
 
 
 # --- pure pattern helpers -------------------------------------------------------------------------
@@ -282,10 +285,20 @@ def test_tied_weights_across_units_are_resident_with_reason() -> None:
     assert_partition(model, sel)
 
 
-def test_tied_weight_reached_from_outside_every_unit_is_resident() -> None:
+def test_tied_weight_reached_from_outside_every_unit_streams_with_its_holder_as_an_alias() -> None:
+    """A module outside every unit holding a unit's weight (tied) becomes the unit's alias (see [Note:
+    tied aliases] in discovery.py); a holder with units inside it (here the root) cannot be one, and the
+    weight stays resident."""
     sel = quiet_select(tied_model(), ["layers.*", "lm_head"], [])
-    assert sel.units == layer_units()
-    assert sel.resident_reasons == {"embed.weight": "tied: also used by lm_head"}
+    assert sel.units == (*layer_units(), "lm_head")
+    assert sel.unit_parameters["lm_head"] == ("embed.weight",)  # named as named_parameters names it
+    assert sel.unit_aliases == {"lm_head": ("embed",)} and not sel.resident_reasons
+
+    model = tied_model()
+    model.shortcut = model.embed.weight  # the root holds it too: its calls span every unit's
+    sel = quiet_select(model, ["layers.*", "lm_head"], [])
+    assert sel.units == layer_units() and not sel.unit_aliases
+    assert sel.resident_reasons == {"shortcut": "tied: also used by <root>, which holds offload units"}
 
 
 def test_distinct_parameters_sharing_one_storage_are_resident() -> None:
@@ -505,5 +518,12 @@ def test_any_patterns_give_a_sound_partition(include: list[str], exclude: list[s
         for i in range(len(parts)):  # every enclosing module, the root included
             path = ".".join(parts[:i])
             assert not any(match_exclude(p, path, type(modules[path])) for p in exclude), (name, path)
-    if tied:
-        assert sel.unit_of("embed.weight") is None
+    for aliases in sel.unit_aliases.values():  # holders outside every unit, with none inside
+        for alias in aliases:
+            assert alias and not any(alias == u or alias.startswith(u + ".") for u in sel.units)
+            assert not any(u.startswith(alias + ".") for u in sel.units)
+    if tied:  # embed and lm_head hold one weight: it streams with one of them, the other its alias
+        unit = sel.unit_of("embed.weight")
+        if unit is not None:
+            assert unit in ("embed", "lm_head")
+            assert sel.unit_aliases[unit] == (({"embed", "lm_head"} - {unit}).pop(),)

@@ -12,6 +12,18 @@ The driver (:class:`DiscoveryStep`) loads each unit on demand before it runs and
 
 It returns a :class:`DiscoveryResult`; the engine decides what to do with it. Costs nothing after
 discovery.
+
+[Note: tied aliases]
+A weight tied between a unit and a module outside every unit (UMT5's token embedding: the unit
+``encoder.embed_tokens`` runs, the top-level ``shared`` holds the same parameter and never runs) streams
+with the unit when that other holder has no unit inside it (selection.py). The holder is the unit's
+*alias*: it carries the unit's hooks, so a call of it at any time (``get_input_embeddings()(ids)``, a
+code path first taken later) loads the unit's weights as a call of the unit does, and its reads are
+inside the unit for the outside-read tracker. An alias that runs during discovery, or in the first
+forward from a profile, makes its unit resident for good (:meth:`BehaviourChecks.alias_called`): the
+unit would run twice a forward, once where the learned order does not expect it, and reload there every
+time. A weight read through the alias without calling it (``F.embedding(ids, model.shared.weight)``) is
+a read outside its unit like any other (see docs/patterns.md, *Weights read outside their unit*).
 """
 
 from __future__ import annotations
@@ -193,6 +205,11 @@ class BehaviourChecks:
         self.active.discard(unit)
         return replaced
 
+    def alias_called(self, unit: Unit, alias: str) -> None:
+        """A module holding some of ``unit``'s weights (tied) runs: the unit stays resident (see [Note:
+        tied aliases])."""
+        self._stay(unit, f"its weights are tied to {alias!r}, which runs too", current_values=False)
+
     def inside_another(self) -> bool:
         """Whether a unit is running inside another one right now."""
         return len(self.active) > 1
@@ -221,6 +238,9 @@ class DiscoveryStep:
             return None
         self.recorder.finish()
         return self.checks.result
+
+    def alias_called(self, unit: Unit, alias: str) -> None:
+        self.checks.alias_called(unit, alias)
 
     def pre(self, unit: Unit) -> None:
         self.checks.enter(unit)
@@ -261,6 +281,9 @@ class CheckedStep(RecordedStep):
     def end(self, error: type[BaseException] | None) -> DiscoveryResult | None:
         self.checks.end()
         return None if error is not None else self.checks.result
+
+    def alias_called(self, unit: Unit, alias: str) -> None:
+        self.checks.alias_called(unit, alias)
 
     def pre(self, unit: Unit) -> None:
         self.checks.enter(unit)

@@ -128,20 +128,22 @@ class ForwardBracket:
 _GUARDED = ("_apply", "__reduce_ex__", "__deepcopy__")
 """Methods an offloaded model carries on its instance, removed with the hooks."""
 
-_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS = (
+_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS = (
     "_flextensor_hooks",
     "_flextensor_model_id",
     "_flextensor_token",
     "_flextensor_spare",
     "_flextensor_unit",
     "_flextensor_weights",
+    "_flextensor_alias",
 )
 """Attributes a hooked module carries for the hook functions: its model's hooks object and id, the ops'
-token and spare tensors, and (unit modules) the unit's index and its parameters' names in the module."""
+token and spare tensors, (unit modules and their aliases) the unit's index and its parameters' names in
+the module, and (aliases) the alias's path."""
 
 
 def _unmark(module: nn.Module) -> None:
-    for name in (_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS):
+    for name in (_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS):
         module.__dict__.pop(name, None)
 
 
@@ -160,6 +162,16 @@ def unit_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     values = module.__dict__
     values[_HOOKS].run_unit_pre(values[_UNIT])
+
+
+def alias_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A unit's pre-hook on a module holding some of its weights (see [Note: tied aliases] in
+    discovery.py); its post-hook is the unit's own."""
+    if torch.compiler.is_compiling():
+        unit_pre_hook(module, args, kwargs)
+        return
+    values = module.__dict__
+    values[_HOOKS].run_alias_pre(values[_UNIT], values[_ALIAS])
 
 
 def unit_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -293,7 +305,13 @@ class ModelHooks:
         """The model-level hooks and guards (units are hooked by :meth:`hook_units`)."""
         model = self._controller.model
         compiled.skip_hook_frames(
-            everything_eager=(unit_pre_hook, unit_post_hook, ModelHooks.model_begin, ModelHooks.model_end),
+            everything_eager=(
+                unit_pre_hook,
+                alias_pre_hook,
+                unit_post_hook,
+                ModelHooks.model_begin,
+                ModelHooks.model_end,
+            ),
             frame_only=(model_pre_hook, model_post_hook),
         )
         self._guarding = compiled.guard_hooks_if_compiling(model)
@@ -330,11 +348,21 @@ class ModelHooks:
             # resident unit (its pre finds its weights in place, its post has nothing to prefetch).
         for unit in wanted:
             self._mark(unit.module, unit)  # again for hooked units too: their weights may have changed
+            for path, alias in unit.aliases:
+                self._mark(alias, unit)
+                alias.__dict__[_ALIAS] = path
             if unit not in self._unit_handles:
                 self.units[unit.index] = unit
                 self._unit_handles[unit] = [
-                    unit.module.register_forward_pre_hook(unit_pre_hook, prepend=True, with_kwargs=True),
-                    unit.module.register_forward_hook(unit_post_hook, always_call=True, with_kwargs=True),
+                    handle
+                    for module, pre_hook in (
+                        (unit.module, unit_pre_hook),
+                        *((alias, alias_pre_hook) for _, alias in unit.aliases),
+                    )
+                    for handle in (
+                        module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True),
+                        module.register_forward_hook(unit_post_hook, always_call=True, with_kwargs=True),
+                    )
                 ]
 
     def _mark(self, module: nn.Module, unit: Unit | None) -> None:
@@ -363,6 +391,8 @@ class ModelHooks:
         self._unit_handles.clear()
         for unit in self.units.values():  # every unit ever hooked keeps its marks until here
             _unmark(unit.module)
+            for _, alias in unit.aliases:
+                _unmark(alias)
         compiled.unregister(self.model_id)
 
     # -- the forward (the module-level hook functions below call these) ------------------------------------
@@ -429,6 +459,14 @@ class ModelHooks:
             self.ops_seen = True
             controller.capture_began()
         controller.step.pre(self.units[index])
+
+    def run_alias_pre(self, index: int, alias: str) -> None:
+        """A module holding some of unit ``index``'s weights is called: the unit's pre-hook, after the
+        learning forwards hear of it (see [Note: tied aliases] in discovery.py)."""
+        noticed = getattr(self._controller.step, "alias_called", None)
+        if noticed is not None and not self._controller.bracket.is_foreign_thread():
+            noticed(self.units[index], alias)
+        self.run_unit_pre(index)
 
     def run_unit_post(self, index: int, output: Any = None) -> Any:
         controller = self._controller_ref()

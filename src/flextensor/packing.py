@@ -231,6 +231,7 @@ class Packing:
         self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], pack: UnitPack
     ) -> None:
         self._packed.append([(p, e) for (_, p), e in zip(named, pack.entries, strict=True)])
+        aliases = self.selection.unit_aliases.get(name, ())
         self.units.append(
             Unit(
                 name=name,
@@ -240,6 +241,7 @@ class Packing:
                 parameters=[(fqn, p, e) for (fqn, p), e in zip(named, pack.entries, strict=True)],
                 copy_done=self.runtime.event(),
                 compute_done=self.runtime.event(),
+                aliases=tuple((path, self.model.get_submodule(path)) for path in aliases),
             )
         )
 

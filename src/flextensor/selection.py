@@ -8,8 +8,11 @@ Evaluation order (see docs/patterns.md):
 2. Ancestor guard: in ``named_modules`` order, a candidate whose ancestor is already a unit is skipped.
 3. ``exclude_patterns``: a module matched by path or class keeps every parameter under it resident (a
    matched unit or ancestor of units so loses all of them); a matched parameter FQN stays resident.
-4. A parameter (or storage) reachable from more than one unit, or from a unit and from outside every
-   unit, stays resident. A unit left with nothing to stream is dropped.
+4. A parameter (or storage) reachable from more than one unit stays resident; so does one reachable from a
+   unit and from outside every unit, unless each holder outside is a module with no unit inside it (UMT5's
+   ``shared`` beside its unit ``encoder.embed_tokens``): such a holder becomes an *alias* of the unit, whose
+   calls load the unit's weights as the unit's own do (see [Note: tied aliases] in discovery.py). A unit
+   left with nothing to stream is dropped.
 
 Buffers are never offloaded and are not listed. ``select`` reads the model and never modifies it.
 """
@@ -42,6 +45,9 @@ class Selection:
     """Every other parameter FQN of the model, in ``named_parameters`` order."""
     resident_reasons: dict[str, str]
     """FQN -> why a parameter under a unit stays resident (excluded or tied)."""
+    unit_aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Unit path -> the module paths outside every unit that hold some of its streamed parameters (tied),
+    for the units that have any."""
     _unit_by_parameter: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,17 +112,20 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
     unit_set = frozenset(units)
     streamed: dict[str, str] = {}  # canonical FQN -> unit
     reasons: dict[str, str] = {}
+    aliases: dict[str, dict[str, None]] = {}  # unit -> holders outside every unit, in module order
     for group in by_storage.values():
         owners = {_owner(path, unit_set) for path, _, _ in group}
         if owners == {None}:
             continue  # no unit reaches it: resident, and the user never asked for it
+        outside = [path for path, _, _ in group if _owner(path, unit_set) is None]
         for param in {id(p): p for _, _, p in group}.values():
             name = canonical[id(param)]
-            reason = _resident_reason(name, param, group, owners, exclude, excluded_at)
+            reason = _resident_reason(name, param, group, owners, exclude, excluded_at, unit_set)
             if reason is None:
-                (unit,) = owners  # one owner, not None: anything else gave a reason
+                (unit,) = owners - {None}  # one unit: anything else gave a reason
                 assert unit is not None
                 streamed[name] = unit
+                aliases.setdefault(unit, {}).update(dict.fromkeys(outside))
             else:
                 reasons[name] = reason
 
@@ -132,6 +141,7 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
         unit_parameters={unit: tuple(unit_parameters[unit]) for unit in kept},
         resident_parameters=tuple(name for name in canonical.values() if name not in streamed),
         resident_reasons={name: reasons[name] for name in canonical.values() if name in reasons},
+        unit_aliases={unit: tuple(aliases[unit]) for unit in kept if aliases.get(unit)},
     )
 
 
@@ -220,6 +230,12 @@ def _owner(module_path: str, unit_set: frozenset[str]) -> str | None:
     return None
 
 
+def _can_alias(module_path: str, unit_set: frozenset[str]) -> bool:
+    """Whether a module outside every unit may stand for a unit whose weight it holds (tied): not the root
+    and no unit inside it, so a call of it is a call of that unit alone."""
+    return bool(module_path) and not any(unit.startswith(module_path + ".") for unit in unit_set)
+
+
 def _storage_key(param: nn.Parameter) -> object:
     """Parameters sharing one storage share a key; meta, empty or exotic tensors key by identity."""
     try:
@@ -253,6 +269,7 @@ def _resident_reason(
     owners: set[str | None],
     exclude: tuple[str, ...],
     excluded_at: dict[str, str],
+    unit_set: frozenset[str],
 ) -> str | None:
     """Why a parameter reached by a unit stays resident, or None if it streams."""
     home = next(path for path, fqn, _ in group if fqn == name)
@@ -260,8 +277,12 @@ def _resident_reason(
     if hit is not None:
         return _describe(hit)
     others = list(dict.fromkeys(path or "<root>" for path, fqn, _ in group if fqn != name))
-    if len(owners) > 1:
+    if len(owners - {None}) > 1:
         return f"tied: also used by {', '.join(others)}"
+    outside = {path for path, _, _ in group if _owner(path, unit_set) is None}
+    cannot_alias = sorted(path or "<root>" for path in outside if not _can_alias(path, unit_set))
+    if cannot_alias:  # a holder with units inside it: its calls span theirs, they cannot load this one
+        return f"tied: also used by {', '.join(cannot_alias)}, which holds offload units"
     if len({id(p) for _, _, p in group}) > 1:
         # Streaming one view would neither free the storage nor keep the views consistent.
         views = dict.fromkeys(fqn for _, fqn, p in group if p is not param)

@@ -68,6 +68,8 @@ class Unit:
     through (see [Note: host budget] in host_budget.py).
     ``storage_version``: :meth:`weights_version` when the device storage's contents last matched the pack
     (an in-place edit of a resident unit's weights bumps it).
+    ``aliases``: (path, module) of the modules outside every unit that hold some of its weights (tied):
+    a call of one is hooked as a call of the unit (see [Note: tied aliases] in discovery.py).
     """
 
     name: str
@@ -85,6 +87,7 @@ class Unit:
     uploads: int = 0  # times given resident storage (a plan switch that keeps it resident uploads nothing)
     pack_rebuilds: int = 0  # times its host pack was built again from device storage
     staging: Any = None  # the StagingRing its copies go through when its pack is not pinned (host budget)
+    aliases: tuple[tuple[str, nn.Module], ...] = ()
     entries: tuple[PackedParameter, ...] = field(init=False)
     nbytes: int = field(init=False)
 
