@@ -195,3 +195,46 @@ def test_captures_announced_early_plan_from_the_forwards_so_far(profiled: bool) 
             assert torch.equal(model(inputs).logits, reference(inputs).logits)
     assert flextensor.phase(model) == "inference"
     assert flextensor.report(model).units  # reports like any plan
+
+
+def test_a_unit_called_outside_a_forward_after_a_capture_leaves_what_the_next_replay_assumes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A unit called outside any forward (or a tied alias: ``get_input_embeddings()(ids)``) loads on
+    demand; after a capture it fences against queued replays and loads the guaranteed units again, as an
+    eager forward does (found by review: the next replay computed with another unit's bytes)."""
+
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+            self.head = torch.nn.Linear(16, 16, bias=False)
+            self.head.weight = self.blocks[2].weight  # an alias of unit blocks.2
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+            return x
+
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = Blocks()(x), Blocks().head(x)
+    model = Blocks()
+    flextensor.offload(model, streaming_config(model, ["blocks.*"]))
+    engine = engine_of(model)
+    with torch.no_grad():
+        for _ in range(4):
+            model(x)
+    monkeypatch.setattr(engine.graphs, "capturing", lambda: True)
+    with torch.no_grad():
+        model(x)
+    monkeypatch.undo()
+    guaranteed = engine.graphs.guaranteed
+    assert guaranteed and not any(u.name == "blocks.2" for u in guaranteed)
+    with torch.no_grad():
+        assert torch.equal(model.head(x), expected[1])
+        assert all(holds_weights(u, engine.store.owner) for u in guaranteed)
+        model.blocks[2](x)
+        assert all(holds_weights(u, engine.store.owner) for u in guaranteed)
+        assert torch.equal(model(x), expected[0])

@@ -214,3 +214,25 @@ def test_a_tied_holder_that_runs_makes_its_unit_resident_and_outputs_stay_right(
     assert "model.embed_tokens.weight" in flextensor.resident_parameters(model)
     assert "tied to 'lm_head', which runs too" in caplog.text
     assert torch.equal(model.generate(x, max_new_tokens=3, do_sample=False), generated)
+
+
+def test_a_tied_weight_that_leaves_its_unit_takes_the_alias_role_with_it() -> None:
+    """keep_alias_weights_resident (vLLM reads a tied output head's weight outside the forward, without
+    calling it): the weight stays on the device, its unit (nothing else to stream) is dropped, and the
+    holder loses the unit's hooks (found by review: a stale alias loaded the unit, out of order)."""
+    from flextensor.api import engine_of
+
+    reference = _tiny_umt5()
+    ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).last_hidden_state
+    model = _tiny_umt5()
+    model = flextensor.offload(model, streaming_config(model, ["encoder.embed_tokens", "encoder.block.*"]))
+    engine_of(model).keep_alias_weights_resident("read outside the forward")
+    assert "shared.weight" in flextensor.resident_parameters(model)
+    assert "encoder.embed_tokens" not in flextensor.offload_units(model)
+    assert not model.shared._forward_pre_hooks and not model.shared._forward_hooks
+    with torch.no_grad():
+        for _ in range(LEARN + 2):
+            assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
+    flextensor.release(model)

@@ -177,3 +177,58 @@ def test_a_weight_read_outside_a_unit_the_profile_keeps_resident_is_found_by_the
         for _ in range(5):  # a new input shape: learnt and planned, blocks.0 streamed
             assert torch.equal(second(wide), refs[1])
         assert torch.equal(second(x), refs[0])
+
+
+class _GivesWeight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, give: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.tanh(self.lin(x)), self.lin.weight[:8] if give else None
+
+
+class _Gives(torch.nn.Module):
+    """Four blocks; ``changed`` makes blocks.0 return a view of its weight, used after blocks.1."""
+
+    def __init__(self, changed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_GivesWeight() for _ in range(4))
+        self.changed = changed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = None
+        for i, block in enumerate(self.blocks):
+            x, weight = block(x, self.changed and i == 0)
+            kept = weight if weight is not None else kept
+            if i == 1 and kept is not None:
+                x = x + x[:, :8] @ kept
+        return x
+
+
+def test_a_unit_the_profile_keeps_resident_whose_output_views_its_weights_is_found_by_the_check(
+    tmp_path: Path,
+) -> None:
+    """As above for a unit whose output is a view of its weights: its own storage passes the check's
+    arena test, so the check tests resident storage too (found by review: a later plan streamed it)."""
+    path = tmp_path / "p.json"
+    x, wide = torch.randn(4, 16), torch.randn(64, 16)
+    first = _Gives()
+    flextensor.offload(first, streaming_config(first, ["blocks.*"]))
+    _steady(first, x)
+    flextensor.save_profile(first, path)
+    saved = json.loads(path.read_text())
+    plan = saved["plan"]
+    plan["resident"], plan["streamed"] = ["blocks.0"], [u for u in plan["streamed"] if u != "blocks.0"]
+    path.write_text(json.dumps(saved))
+
+    with torch.no_grad():
+        refs = _Gives(changed=True)(x), _Gives(changed=True)(wide)
+    second = _Gives(changed=True)
+    flextensor.offload(second, streaming_config(second, ["blocks.*"]).model_copy(update={"profile": path}))
+    with torch.no_grad():
+        assert torch.equal(second(x), refs[0])
+        assert "blocks.0.lin.weight" in flextensor.resident_parameters(second)
+        for _ in range(5):
+            assert torch.equal(second(wide), refs[1])

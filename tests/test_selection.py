@@ -527,3 +527,29 @@ def test_any_patterns_give_a_sound_partition(include: list[str], exclude: list[s
         if unit is not None:
             assert unit in ("embed", "lm_head")
             assert sel.unit_aliases[unit] == (({"embed", "lm_head"} - {unit}).pop(),)
+
+
+def test_a_holder_of_two_units_tied_weights_is_no_alias_and_those_weights_stay_resident() -> None:
+    """A module outside every unit holding weights of two units cannot stand for both (a call of it would
+    load only one of them): those weights stay resident (found by review: the call read the arena).
+    Another path to a unit's own module is no alias of it either."""
+
+    class Pair(nn.Module):
+        def __init__(self, first: nn.Parameter, second: nn.Parameter) -> None:
+            super().__init__()
+            self.a, self.b = first, second
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.a + x @ self.b
+
+    model = make_spec_model()
+    model.pair = Pair(model.layers[0].attn.q.weight, model.layers[2].attn.q.weight)
+    sel = quiet_select(model, ["layers.*"], [])
+    assert "layers.0" not in sel.unit_aliases and "layers.2" not in sel.unit_aliases
+    assert sel.unit_of("layers.0.attn.q.weight") is None and sel.unit_of("layers.2.attn.q.weight") is None
+    assert "which holds weights of layers.2 too" in sel.resident_reasons["layers.0.attn.q.weight"]
+
+    model = make_spec_model()
+    model.again = model.layers[1]  # a second path to a unit's module
+    sel = quiet_select(model, ["layers.*"], [])
+    assert not sel.unit_aliases and sel.unit_of("layers.1.attn.q.weight") == "layers.1"

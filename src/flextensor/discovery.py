@@ -202,6 +202,10 @@ class BehaviourChecks:
             # Later copies would overwrite what this output views: hand the caller a copy, taken
             # before compute_done is recorded so that those copies wait for it.
             replaced = clone_tensors(output)
+        elif unit.resident and unit.storage is not None and views_storage(output, unit.storage):
+            # Resident in a profile's plan (its first forward checks every unit): fine now, its storage
+            # is its own, but a later plan streaming it would not be.
+            self._stay(unit, "its output is a view of its weights", current_values=True)
         self.active.discard(unit)
         return replaced
 

@@ -62,7 +62,8 @@ class OffloadEngine(PlanStates):
         resident_reasons: dict[str, str],
         entry_methods: tuple[str, ...] = (),
     ) -> None:
-        from .hooks import ForwardBracket, ModelHooks  # hooks.py types its controller by protocol only
+        from .forward_bracket import ForwardBracket
+        from .hooks import ModelHooks  # hooks.py types its controller by protocol only
 
         self.model = model
         self.config = config
@@ -93,9 +94,9 @@ class OffloadEngine(PlanStates):
         self.recordings: dict[tuple[str, ...], StepRecorder] = {}
         self.latest_recording: StepRecorder | None = None
         ensure_layout = weakref.WeakMethod(self._ensure_layout)  # no cycle: see ModelHooks
-        self._outside = OutsideForwardStep(self.store, lambda: ensure_layout()())
         self._steady = steady_step(self.store)
         self.graphs = GraphCaptures(self.runtime, type(model).__name__)
+        self._outside = OutsideForwardStep(self.store, lambda: ensure_layout()(), self.graphs)
         self.step: Any = self._outside  # what the unit hooks call (see hooks.py)
         self.learning = Learning(config.discovery_forwards, config.profiling_forwards)
         left_the_stream = weakref.WeakMethod(self._weight_left_the_stream)  # no cycle: see ModelHooks
@@ -398,6 +399,18 @@ class OffloadEngine(PlanStates):
             self._rearm_watch = True  # once, at the forward's end: arming walks every weight
         else:
             self.watch.arm(self.units.values())
+
+    def keep_alias_weights_resident(self, why: str) -> None:
+        """Keep every weight a tied alias holds on the device (plan time), for a caller that reads such
+        weights outside the model's forward without calling the alias (see [Note: tied aliases] in
+        discovery.py): vLLM's ``compute_logits`` reads a tied output head's weight that way."""
+        for unit in list(self.units.values()):
+            for path, alias in unit.aliases:
+                for param in alias._parameters.values():
+                    if param is not None and id(param) in self.owner_of:
+                        self.weights.keep_resident(id(param), f"tied to {path!r}, {why}")
+        self.drop_empty_units()
+        self.hooks.hook_units(self.hooks.hooked_units)  # the aliases lose their hooks
 
     def drop_empty_units(self) -> None:
         """Forget units left with nothing to stream: no hooks, no pack, no place in the order."""

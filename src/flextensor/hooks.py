@@ -6,9 +6,7 @@ are added and removed together. What the unit hooks do is the controller's curre
 (``controller.step``: discovery, profiling, steady or recorded), so changing phase never re-registers a
 hook; only which units carry hooks changes (resident units carry none in steady state).
 
-:class:`ForwardBracket` tells the outermost forward apart from nested calls, refuses a second thread, and
-closes a forward that was interrupted by an exception PyTorch hands to no ``always_call`` hook
-(KeyboardInterrupt, SystemExit).
+The bracketing itself (outermost forward, owner thread, interrupted forwards) is forward_bracket.py's.
 """
 
 from __future__ import annotations
@@ -28,13 +26,14 @@ from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from . import compiled
 from .compiled import written_inputs, written_outputs
 from .errors import ConcurrentForwardError, UnsupportedOperationError
+from .forward_bracket import ENTRY_WRAPPER, ForwardBracket
 from .plan_policy import input_signature
 from .units import Unit
 from .weight_access import StreamedWeights
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["Controller", "ForwardBracket", "ModelHooks"]
+__all__ = ["Controller", "ModelHooks", "entry_method_names", "entry_point"]
 
 
 class StepDriver(Protocol):
@@ -70,65 +69,10 @@ class Controller(Protocol):
     def accept_weight_versions(self) -> None: ...
 
 
-class ForwardBracket:
-    """Depth and owner thread of the forward in progress.
-
-    ``enter`` returns True for the outermost call of the model; ``exit`` True when it ends. A call from
-    another thread while a forward runs raises ConcurrentForwardError (the weights share one arena).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self._model = model
-        self.depth = 0
-        self.owner: int | None = None
-        self.handled_at_start: BaseException | None = None  # what sys.exc_info() held as the forward began
-        self._lock = threading.Lock()  # makes the owner check-and-set atomic between threads
-
-    @property
-    def running(self) -> bool:
-        """Whether a forward of the model is in progress (or was left unfinished by an interrupt)."""
-        return self.depth > 0
-
-    def claim(self) -> None:
-        """Take the model for this thread, or raise if another thread's forward runs."""
-        me = threading.get_ident()
-        with self._lock:
-            if self.owner is not None and self.owner != me:
-                raise ConcurrentForwardError(
-                    f"a forward of this offloaded {type(self._model).__name__} is already running in "
-                    "another thread; its weights share one device arena, so run forwards one at a time "
-                    "(use a lock) or offload one model per thread"
-                )
-            self.owner = me
-
-    def interrupted(self) -> bool:
-        """Whether a forward seems to run but the only call of the model on this thread's stack is this
-        one: the previous forward was interrupted without its end (a rare path: a stack walk)."""
-        if not self.depth:
-            return False
-        calls, frame = 0, sys._getframe(1)
-        while frame is not None:
-            code = frame.f_code
-            if code.co_name == "_call_impl" and frame.f_locals.get("self") is self._model:
-                calls += 1
-            elif code is _ENTERED_CODE and frame.f_locals.get("module") is self._model:
-                calls += 1  # an entry method (vae.decode) called inside the model's forward
-            frame = frame.f_back
-        return calls == 1
-
-    def reset(self) -> None:
-        self.depth = 0
-        self.owner = None
-
-    def is_foreign_thread(self) -> bool:
-        owner = self.owner
-        return owner is not None and owner != threading.get_ident()
-
-
 _GUARDED = ("_apply", "__reduce_ex__", "__deepcopy__")
 """Methods an offloaded model carries on its instance, removed with the hooks."""
 
-_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS = (
+_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS, _ALIAS_CALLS = (
     "_flextensor_hooks",
     "_flextensor_model_id",
     "_flextensor_token",
@@ -136,14 +80,15 @@ _HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS = (
     "_flextensor_unit",
     "_flextensor_weights",
     "_flextensor_alias",
+    "_flextensor_alias_calls",
 )
 """Attributes a hooked module carries for the hook functions: its model's hooks object and id, the ops'
 token and spare tensors, (unit modules and their aliases) the unit's index and its parameters' names in
-the module, and (aliases) the alias's path."""
+the module, and (aliases) the alias's path and, per call running, whether it stands for the unit."""
 
 
 def _unmark(module: nn.Module) -> None:
-    for name in (_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS):
+    for name in (_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS, _ALIAS_CALLS):
         module.__dict__.pop(name, None)
 
 
@@ -166,12 +111,24 @@ def unit_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 def alias_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """A unit's pre-hook on a module holding some of its weights (see [Note: tied aliases] in
-    discovery.py); its post-hook is the unit's own."""
+    discovery.py). Whether the call stands for the unit is decided here and kept for the post-hook, so
+    the unit's pre and post always come in pairs."""
     if torch.compiler.is_compiling():
         unit_pre_hook(module, args, kwargs)
         return
     values = module.__dict__
-    values[_HOOKS].run_alias_pre(values[_UNIT], values[_ALIAS])
+    calls = values.setdefault(_ALIAS_CALLS, [])
+    calls.append(False)  # pushed first: a pre that raises leaves a False for its post (always_call)
+    calls[-1] = values[_HOOKS].run_alias_pre(values[_UNIT], values[_ALIAS])
+
+
+def alias_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return unit_post_hook(module, args, kwargs, output)
+    calls = module.__dict__.get(_ALIAS_CALLS)
+    if not calls or not calls.pop():
+        return None
+    return unit_post_hook(module, args, kwargs, output)
 
 
 def unit_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -226,7 +183,7 @@ def entry_point(module: nn.Module, name: str, method: Callable[..., Any]) -> Cal
     module's pre/post hooks: a pipeline calls ``vae.decode()``, never ``vae()``."""
 
     @functools.wraps(method)
-    def entered(*args: Any, **kwargs: Any) -> Any:
+    def entered(*args: Any, **kwargs: Any) -> Any:  # named as forward_bracket.ENTRY_WRAPPER says
         model_pre_hook(module, args, kwargs, name)
         try:
             output = method(*args, **kwargs)
@@ -239,8 +196,7 @@ def entry_point(module: nn.Module, name: str, method: Callable[..., Any]) -> Cal
     return entered
 
 
-_ENTERED_CODE = entry_point(nn.Module(), "", lambda: None).__code__
-"""The code of every entry-method wrapper: ForwardBracket.interrupted counts its frames as calls."""
+assert entry_point(nn.Module(), "", lambda: None).__code__.co_qualname == ENTRY_WRAPPER
 
 
 def entry_method_names(model: nn.Module, names: Iterable[str], explicit: bool) -> tuple[str, ...]:
@@ -309,6 +265,7 @@ class ModelHooks:
                 unit_pre_hook,
                 alias_pre_hook,
                 unit_post_hook,
+                alias_post_hook,
                 ModelHooks.model_begin,
                 ModelHooks.model_end,
             ),
@@ -348,6 +305,13 @@ class ModelHooks:
             # resident unit (its pre finds its weights in place, its post has nothing to prefetch).
         for unit in wanted:
             self._mark(unit.module, unit)  # again for hooked units too: their weights may have changed
+            live = unit.live_aliases()
+            if live != unit.aliases:  # a tied weight left the unit: its holder stands for it no more
+                for _, alias in unit.aliases:
+                    _unmark(alias)
+                for handle in self._unit_handles.pop(unit, ()):
+                    handle.remove()
+                unit.aliases = live
             for path, alias in unit.aliases:
                 self._mark(alias, unit)
                 alias.__dict__[_ALIAS] = path
@@ -361,7 +325,11 @@ class ModelHooks:
                     )
                     for handle in (
                         module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True),
-                        module.register_forward_hook(unit_post_hook, always_call=True, with_kwargs=True),
+                        module.register_forward_hook(
+                            unit_post_hook if pre_hook is unit_pre_hook else alias_post_hook,
+                            always_call=True,
+                            with_kwargs=True,
+                        ),
                     )
                 ]
 
@@ -460,13 +428,19 @@ class ModelHooks:
             controller.capture_began()
         controller.step.pre(self.units[index])
 
-    def run_alias_pre(self, index: int, alias: str) -> None:
+    def run_alias_pre(self, index: int, alias: str) -> bool:
         """A module holding some of unit ``index``'s weights is called: the unit's pre-hook, after the
-        learning forwards hear of it (see [Note: tied aliases] in discovery.py)."""
+        learning forwards hear of it (see [Note: tied aliases] in discovery.py). Whether the call stands
+        for the unit: not once its tied weight left the unit (it reads a weight of its own then)."""
+        unit = self.units[index]
+        module = next((m for path, m in unit.aliases if path == alias), None)
+        if module is None or not unit.held_by(module):
+            return False
         noticed = getattr(self._controller.step, "alias_called", None)
         if noticed is not None and not self._controller.bracket.is_foreign_thread():
-            noticed(self.units[index], alias)
+            noticed(unit, alias)
         self.run_unit_pre(index)
+        return True
 
     def run_unit_post(self, index: int, output: Any = None) -> Any:
         controller = self._controller_ref()

@@ -112,7 +112,7 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
     unit_set = frozenset(units)
     streamed: dict[str, str] = {}  # canonical FQN -> unit
     reasons: dict[str, str] = {}
-    aliases: dict[str, dict[str, None]] = {}  # unit -> holders outside every unit, in module order
+    outside_holders: dict[str, list[str]] = {}  # canonical FQN -> paths holding it outside every unit
     for group in by_storage.values():
         owners = {_owner(path, unit_set) for path, _, _ in group}
         if owners == {None}:
@@ -125,9 +125,10 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
                 (unit,) = owners - {None}  # one unit: anything else gave a reason
                 assert unit is not None
                 streamed[name] = unit
-                aliases.setdefault(unit, {}).update(dict.fromkeys(outside))
+                outside_holders[name] = outside
             else:
                 reasons[name] = reason
+    aliases = _aliases(dict(all_modules), streamed, outside_holders, reasons)
 
     unit_parameters: dict[str, list[str]] = {}
     for name in canonical.values():
@@ -228,6 +229,46 @@ def _owner(module_path: str, unit_set: frozenset[str]) -> str | None:
         if path in unit_set:
             return path
     return None
+
+
+def _aliases(
+    modules: dict[str, nn.Module],
+    streamed: dict[str, str],
+    outside_holders: dict[str, list[str]],
+    reasons: dict[str, str],
+) -> dict[str, dict[str, None]]:
+    """Unit -> the modules outside every unit that stand for it (tied weights), one path per module.
+
+    A module holding weights of two units cannot stand for both (a call of it would load one of them):
+    those weights stay resident (moved from ``streamed`` to ``reasons``). A second path to a module
+    inside a unit is no alias: it is the unit's own module; inside another unit, the weight is shared by
+    two units, resident."""
+    unit_modules = {id(m): unit for unit in set(streamed.values()) for m in modules[unit].modules()}
+    stands_for: dict[int, set[str]] = {}
+    for name, unit in streamed.items():
+        for path in outside_holders.get(name, ()):
+            stands_for.setdefault(id(modules[path]), set()).add(unit)
+    for name, unit in list(streamed.items()):
+        for path in outside_holders.get(name, ()):
+            module = id(modules[path])
+            others = stands_for[module] - {unit}
+            if unit_modules.get(module, unit) != unit:  # inside another unit, by a second path
+                others.add(unit_modules[module])
+            if others:
+                del streamed[name]
+                also = ", ".join(sorted(others))
+                reasons[name] = f"tied: also used by {path}, which holds weights of {also} too"
+                break
+    aliases: dict[str, dict[str, None]] = {}
+    seen: dict[str, set[int]] = {}
+    for name, unit in streamed.items():
+        for path in outside_holders.get(name, ()):
+            module = id(modules[path])
+            if unit_modules.get(module) == unit or module in seen.setdefault(unit, set()):
+                continue
+            seen[unit].add(module)
+            aliases.setdefault(unit, {})[path] = None
+    return aliases
 
 
 def _can_alias(module_path: str, unit_set: frozenset[str]) -> bool:

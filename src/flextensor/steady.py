@@ -220,15 +220,18 @@ class ProfiledStep(SteadyStep):
 
 
 class OutsideForwardStep:
-    """A unit called outside any forward of its model (a user calling one block): load it on demand on
-    whatever stream is current, and mark its compute so later copies wait for it. ``ensure_layout`` gives
-    units device bytes again when a failed layout left them without."""
+    """A unit called outside any forward of its model (a user calling one block, a tied alias such as
+    ``get_input_embeddings()``): load it on demand on whatever stream is current, and mark its compute so
+    later copies wait for it. ``ensure_layout`` gives units device bytes again when a failed layout left
+    them without. Once a CUDA graph was captured (``graphs``), its load comes after the replays queued
+    before it and the units a replay counts on are loaded again after it, as after an eager forward."""
 
-    __slots__ = ("ensure_layout", "store")
+    __slots__ = ("ensure_layout", "graphs", "store")
 
-    def __init__(self, store: DeviceStore, ensure_layout: Callable[[], None]) -> None:
+    def __init__(self, store: DeviceStore, ensure_layout: Callable[[], None], graphs: Any) -> None:
         self.store = store
         self.ensure_layout = ensure_layout
+        self.graphs = graphs
 
     def pre(self, unit: Unit) -> None:
         if unit.placement is Placement.HOST:
@@ -237,12 +240,17 @@ class OutsideForwardStep:
             return
         compute = self.store.runtime.current_stream()
         if not holds_weights(unit, self.store.owner):
+            self.graphs.fence_begin()
             self.store.load_on_demand(unit, compute)
         compute.wait_event(unit.copy_done)
 
     def post(self, unit: Unit, output: Any) -> None:
-        if not unit.resident:
-            unit.compute_done.record(self.store.runtime.current_stream())
+        if unit.resident:
+            return
+        unit.compute_done.record(self.store.runtime.current_stream())
+        if self.graphs.captured:
+            self.graphs.restore(self.store)
+            self.graphs.fence_end(self.store)
 
 
 class CapturedStep(SteadyStep):

@@ -99,6 +99,16 @@ class Unit:
     def resident(self) -> bool:
         return self.placement.on_device
 
+    def held_by(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds one of this unit's parameters itself (an alias still tied to it)."""
+        mine = {id(param) for _, param, _ in self.parameters}
+        return any(id(param) in mine for param in module._parameters.values() if param is not None)
+
+    def live_aliases(self) -> tuple[tuple[str, nn.Module], ...]:
+        """The aliases still holding one of its parameters: a tied weight that left the unit (read
+        outside it, untied by an edit) takes its holder's alias role with it."""
+        return tuple((path, alias) for path, alias in self.aliases if self.held_by(alias))
+
     def kept(self, entry: PackedParameter) -> torch.Tensor:
         """One parameter's weights where they are kept for sure: the device storage of a resident unit
         (what it computes with, edits included), else the host pack. Never a streamed unit's arena range,

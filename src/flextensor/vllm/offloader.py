@@ -146,6 +146,7 @@ class FlexTensorOffloader(BaseOffloader):
         engine.hooks.order_by_inputs = True
         engine.unguard_parameters()
         try:
+            engine.keep_alias_weights_resident("which vLLM reads outside the forward (compute_logits)")
             count_weights_only(model)
             engine.keep_one_layout()  # prefill and decode steps alternate, and CUDA graphs keep it anyway
             if config.profile is not None:
