@@ -253,3 +253,17 @@ def test_a_write_through_data_outside_editing_is_refused_at_once_and_release_giv
     assert type(weight) is torch.nn.Parameter
     expected = tiny_llama().model.layers[1].mlp.up_proj.weight * 2
     assert torch.equal(weight.data, expected)
+
+
+def test_state_dict_inside_editing_holds_the_edits_made_so_far() -> None:
+    """A merge saved before the with-block closes (found by review: state_dict() read the host packs,
+    which get the edits only at its end)."""
+    model = offloaded_llama()
+    run_forwards(model, llama_inputs(), LEARN)
+    name = "model.layers.1.mlp.up_proj.weight"
+    with flextensor.editing(model), torch.no_grad():
+        weight = model.model.layers[1].mlp.up_proj.weight
+        weight.mul_(2)
+        assert torch.equal(model.state_dict()[name], weight)
+        edited = weight.clone()
+    assert torch.equal(model.state_dict()[name], edited)

@@ -471,7 +471,10 @@ class ModelHooks:
     # -- guards ------------------------------------------------------------------------------------------
 
     def _state_dict_from_host(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-        """A streamed parameter's arena range may hold another unit's bytes: report the kept copy."""
+        """A streamed parameter's arena range may hold another unit's bytes: report the kept copy. Inside
+        flextensor.editing every parameter holds a copy of its own, edits included: report it as it is."""
+        if self._controller.editing is not None:
+            return
         for key, tensor in self._controller.weights.state_dict_entries(prefix):
             if key in state_dict:
                 state_dict[key] = tensor
