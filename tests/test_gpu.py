@@ -269,3 +269,39 @@ def test_units_running_on_another_stream_than_the_forward_stay_ordered() -> None
     assert flextensor.phase(model) == "inference"
     assert sum(not u.resident for u in flextensor.report(model).units) >= 5  # blocks on both streams streamed
     flextensor.release(model)
+
+
+def test_a_tied_token_embedding_streams_with_its_unit_and_its_alias_loads_it_on_cuda() -> None:
+    """UMT5's embedding (see [Note: tied aliases] in discovery.py) on the GPU: streamed with its unit
+    ``encoder.embed_tokens``, bitwise, and ``shared`` (the alias, never run by the forward) loads it when
+    called between forwards, on the streams the copies use."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    shape = UMT5Config(vocab_size=4096, d_model=512, d_kv=64, d_ff=1024, num_layers=4, num_heads=8)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return UMT5EncoderModel(shape).eval().to(torch.bfloat16)
+
+    ids = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    reference = build().cuda()
+    with torch.no_grad():
+        expected = reference(input_ids=ids).last_hidden_state.clone()
+        embedded = reference.shared(ids).clone()
+    del reference
+    torch.cuda.empty_cache()
+    budget = torch.cuda.memory_allocated() + 14 * 2**20  # two blocks in flight, no room for a third
+    config = flextensor.OffloadConfig(
+        include_patterns=["encoder.embed_tokens", "encoder.block.*"], gpu_memory_budget=budget
+    )
+    model = flextensor.offload(build(), config)
+    assert "shared.weight" in flextensor.offloaded_parameters(model)
+    with torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
+        plan = flextensor.status(model).plan
+        assert plan is not None and "encoder.embed_tokens" in plan.streamed
+        assert torch.equal(model.get_input_embeddings()(ids), embedded)
+        assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
+    released = flextensor.release(model)
+    assert released.shared.weight is released.encoder.embed_tokens.weight
