@@ -147,6 +147,20 @@ def test_a_profile_whose_run_stopped_streaming_a_unit_starts_the_next_run(tmp_pa
         assert torch.equal(second(x), ref)
 
 
+def _profile_keeping_first_block_resident(first: torch.nn.Module, x: torch.Tensor, folder: Path) -> Path:
+    """A profile of ``first`` whose plan keeps blocks.0 resident, as a planner with room to spare could
+    have chosen (on a CPU it streams every block)."""
+    path = folder / "p.json"
+    flextensor.offload(first, streaming_config(first, ["blocks.*"]))
+    _steady(first, x)
+    flextensor.save_profile(first, path)
+    saved = json.loads(path.read_text())
+    plan = saved["plan"]
+    plan["resident"], plan["streamed"] = ["blocks.0"], [u for u in plan["streamed"] if u != "blocks.0"]
+    path.write_text(json.dumps(saved))
+    return path
+
+
 def test_a_weight_read_outside_a_unit_the_profile_keeps_resident_is_found_by_the_check(
     tmp_path: Path,
 ) -> None:
@@ -154,16 +168,8 @@ def test_a_weight_read_outside_a_unit_the_profile_keeps_resident_is_found_by_the
     read outside its unit (the code changed since the profile) leaves the stream before a later plan
     streams that unit (found wrong before: the check watched streamed units only, and the next input
     shape's plan streamed blocks.0 with the read going to the arena)."""
-    path = tmp_path / "p.json"
     x, wide = torch.randn(4, 16), torch.randn(64, 16)
-    first = _Blocks()
-    flextensor.offload(first, streaming_config(first, ["blocks.*"]))
-    _steady(first, x)
-    flextensor.save_profile(first, path)
-    saved = json.loads(path.read_text())
-    plan = saved["plan"]  # as a planner with room to spare could have chosen: blocks.0 resident
-    plan["resident"], plan["streamed"] = ["blocks.0"], [u for u in plan["streamed"] if u != "blocks.0"]
-    path.write_text(json.dumps(saved))
+    path = _profile_keeping_first_block_resident(_Blocks(), x, tmp_path)
 
     changed = _Blocks(reads_outside=True)
     with torch.no_grad():
@@ -212,16 +218,8 @@ def test_a_unit_the_profile_keeps_resident_whose_output_views_its_weights_is_fou
 ) -> None:
     """As above for a unit whose output is a view of its weights: its own storage passes the check's
     arena test, so the check tests resident storage too (found by review: a later plan streamed it)."""
-    path = tmp_path / "p.json"
     x, wide = torch.randn(4, 16), torch.randn(64, 16)
-    first = _Gives()
-    flextensor.offload(first, streaming_config(first, ["blocks.*"]))
-    _steady(first, x)
-    flextensor.save_profile(first, path)
-    saved = json.loads(path.read_text())
-    plan = saved["plan"]
-    plan["resident"], plan["streamed"] = ["blocks.0"], [u for u in plan["streamed"] if u != "blocks.0"]
-    path.write_text(json.dumps(saved))
+    path = _profile_keeping_first_block_resident(_Gives(), x, tmp_path)
 
     with torch.no_grad():
         refs = _Gives(changed=True)(x), _Gives(changed=True)(wide)
