@@ -461,3 +461,58 @@ def test_a_torch_profiler_sees_what_a_switch_between_components_costs(
     assert names & {"flextensor.lay_out", "flextensor.lay_out_ahead"}, names
     assert {f"flextensor.upload {i}" for i in range(6)} <= names, names
     flextensor.release(parts)
+
+
+def _tied_text_encoder() -> nn.Module:
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    return UMT5EncoderModel(
+        UMT5Config(vocab_size=512, d_model=32, d_kv=8, d_ff=32, num_layers=3, num_heads=2)
+    ).eval()
+
+
+def _after_component() -> nn.Module:
+    torch.manual_seed(0)
+    return EmbeddingThenBlocks().eval()
+
+
+@torch.no_grad()
+def test_a_text_encoders_tied_embedding_streams_gives_its_memory_back_and_restarts_from_the_profile(
+    tmp_path,
+) -> None:
+    """Wan's UMT5 shape: the token embedding, tied between ``shared`` and ``encoder.embed_tokens``, is a
+    unit of the text encoder (``shared`` its alias, see [Note: tied aliases]), so the encoder gives it
+    back when the other component runs; one profile file restarts both, bitwise."""
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = _tied_text_encoder()(input_ids=ids).last_hidden_state
+    expected_after = _after_component()(ids)
+
+    def parts_now() -> dict[str, nn.Module]:
+        return {"text_encoder": _tied_text_encoder(), "after": _after_component()}
+
+    def run(parts: dict[str, nn.Module]) -> None:
+        assert torch.equal(parts["text_encoder"](input_ids=ids).last_hidden_state, expected)
+        assert torch.equal(parts["after"](ids), expected_after)
+
+    parts = parts_now()
+    assert default_unit_patterns(parts["text_encoder"]) == ("encoder.block.*", "encoder.embed_tokens")
+    budget = tightest_budget(parts_now())
+    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=budget))
+    assert "shared.weight" in flextensor.offloaded_parameters(parts["text_encoder"])
+    for _ in range(4):
+        run(parts)
+    assert flextensor.phase(parts) == "inference"
+    assert flextensor.status(parts["text_encoder"]).device_bytes_held == 0  # given back for "after"
+    path = tmp_path / "parts.json"
+    flextensor.save_profile(parts, path)
+    flextensor.release(parts)
+
+    again = parts_now()
+    config = flextensor.OffloadConfig(device="cpu", gpu_memory_budget=budget, profile=str(path))
+    flextensor.offload(again, config)
+    assert flextensor.phase(again) == "inference"
+    for _ in range(2):
+        run(again)
+    assert flextensor.phase(again) == "inference"
+    flextensor.release(again)
