@@ -11,6 +11,7 @@ from torch import nn
 
 import flextensor
 from flextensor.api import engine_of
+from nesting_models import LateNesting
 from real_models import tiny_llama
 
 pytestmark = [
@@ -305,3 +306,29 @@ def test_a_tied_token_embedding_streams_with_its_unit_and_its_alias_loads_it_on_
         assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
     released = flextensor.release(model)
     assert released.shared.weight is released.encoder.embed_tokens.weight
+
+
+def test_a_unit_first_called_inside_another_after_learning_is_bitwise_on_cuda() -> None:
+    """[Note: nested calls] on the GPU: the inner unit's copy waits for the outer's queued matmuls, and the
+    outer's range comes back before its second matmul reads it; then the helper is kept resident."""
+    x = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0)).cuda().bfloat16()
+    budget = torch.cuda.memory_allocated() + 200 * 2**20  # units of 64 MiB: two in flight, activations
+    config = flextensor.OffloadConfig(include_patterns=["helper", "blocks.*"], gpu_memory_budget=budget)
+    model = flextensor.offload(LateNesting(4096, blocks=6).bfloat16(), config)
+    with torch.no_grad():
+        for _ in range(4):
+            model(x)
+    plan = flextensor.status(model).plan
+    assert flextensor.phase(model) == "inference" and plan is not None and "helper" in plan.streamed
+    nest_in = max(int(name.split(".")[1]) for name in plan.streamed if name.startswith("blocks."))
+    native = LateNesting(4096, blocks=6).cuda().bfloat16()
+    native.nest_in = nest_in
+    with torch.no_grad():
+        expected = native(x).clone()
+    del native
+    model.nest_in = nest_in
+    with torch.no_grad():
+        for i in range(6):
+            assert torch.equal(model(x), expected), f"forward {i} after the nesting began"
+    assert "helper.0.weight" in flextensor.resident_parameters(model)
+    flextensor.release(model)

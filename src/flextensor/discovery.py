@@ -264,6 +264,12 @@ class DiscoveryStep:
             unit.compute_done.record(self._compute)
         return replaced
 
+    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+        self.pre(unit)  # the checks find the nesting and keep the unit resident before it loads
+
+    def nested_post(self, unit: Unit, output: Any) -> Any:
+        return self.post(unit, output)
+
 
 class CheckedStep(RecordedStep):
     """The first forward from a saved profile: a recorded steady step that also runs discovery's checks,
@@ -305,3 +311,9 @@ class CheckedStep(RecordedStep):
         else:
             super().post(unit, output)
         return replaced
+
+    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+        self.pre(unit)  # as DiscoveryStep's: the checks see the nesting
+
+    def nested_post(self, unit: Unit, output: Any) -> Any:
+        return self.post(unit, output)

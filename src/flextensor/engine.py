@@ -230,6 +230,7 @@ class OffloadEngine(PlanStates):
         else:
             self.graphs.fence_begin()
             driver = self._driver()
+        self.store.nested.forget()  # calls made outside a forward borrow, and teach nothing
         driver.begin()
         self.step = driver
         if torch.is_grad_enabled() and self.store.arena is not None:
@@ -280,6 +281,7 @@ class OffloadEngine(PlanStates):
         if isinstance(self.step, CapturedStep) or not self.graphs.capturing():
             return
         driver = self._captured_driver()
+        self.store.nested.forget()  # calls made outside a forward borrow, and teach nothing
         driver.begin()
         self.step = driver
 
@@ -309,6 +311,10 @@ class OffloadEngine(PlanStates):
         if self.graphs.captured:
             self.graphs.restore(self.store)
             self.graphs.fence_end(self.store)
+        nested = self.store.nested.forget()  # discovery and the check keep such units resident themselves
+        checked = isinstance(driver, (DiscoveryStep, CheckedStep))
+        if nested and not checked and self._learn_nested_calls(nested):
+            return
         if isinstance(driver, DiscoveryStep):
             result = driver.end(error)
             if result is not None:  # a partial order would make a wrong plan: learn again next forward

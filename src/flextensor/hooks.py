@@ -43,6 +43,11 @@ class StepDriver(Protocol):
 
     def post(self, unit: Unit, output: Any) -> Any: ...
 
+    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+        """``unit`` starts inside ``running[-2]`` (``running``: the units running, ``unit`` last)."""
+
+    def nested_post(self, unit: Unit, output: Any) -> Any: ...
+
 
 class Controller(Protocol):
     """What the hooks need from the engine."""
@@ -236,6 +241,9 @@ class ModelHooks:
         self._guarding = False  # whether compiled graphs are guarded on module hooks yet
         self.model_id = 0  # the constant compiled graphs carry (see compiled.py)
         self.ops_seen = False  # a unit ran in this forward (the first checks for a capture)
+        # The hooked units running now, outermost first: a call made while one runs is a nested call
+        # (see [Note: nested calls] in nested_calls.py).
+        self.running: list[Unit] = []
         # Whether the compiled pre op orders a unit's kernels through its floating-point inputs rather
         # than its weights (see compiled.written_inputs): set by integrations that need it (vLLM).
         self.order_by_inputs = False
@@ -386,6 +394,7 @@ class ModelHooks:
         bracket.depth += 1
         if bracket.depth == 1:
             self.ops_seen = False
+            self.running.clear()  # a forward interrupted by KeyboardInterrupt never ran its units' posts
             # A forward called inside an `except` block sees that exception in sys.exc_info() all along:
             # remember it, so that it is not taken for one the forward raised.
             bracket.handled_at_start = sys.exc_info()[1]
@@ -423,7 +432,13 @@ class ModelHooks:
         if not self.ops_seen:  # once per forward: a capture may begin inside it (reduce-overhead mode)
             self.ops_seen = True
             controller.capture_began()
-        controller.step.pre(self.units[index])
+        unit = self.units[index]
+        running = self.running
+        running.append(unit)  # first: a pre that raises still gets its post (always_call), which pops
+        if len(running) == 1:
+            controller.step.pre(unit)
+        else:
+            controller.step.nested_pre(unit, running)
 
     def run_alias_pre(self, index: int, alias: str) -> bool:
         """A module holding some of unit ``index``'s weights is called: the unit's pre-hook, after the
@@ -445,6 +460,11 @@ class ModelHooks:
         owner = controller.bracket.owner
         if owner is not None and owner != threading.get_ident():
             return None  # the rejected call of a second thread: the running forward's state is not ours
+        running = self.running
+        if running:
+            running.pop()
+        if running:
+            return controller.step.nested_post(self.units[index], output)
         return controller.step.post(self.units[index], output)
 
     def run_model_begin(self, signature: str) -> None:

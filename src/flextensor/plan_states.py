@@ -109,6 +109,39 @@ class PlanStates:
         order = [*result.order, *(u for u in self.order if u not in known)]
         self._finish_discovery(DiscoveryResult(order, dict(result.must_stay_resident)))
 
+    def _learn_nested_calls(self, seen: dict[Unit, Unit]) -> bool:
+        """Streamed units that ran inside another after learning (see [Note: nested calls] in
+        nested_calls.py): their calls borrowed their range, right but slow. Keep them resident and
+        profile again, as discovery would have; whether it did (this forward's samples then say nothing).
+        Not while CUDA graphs or a serving engine hold the layout: such calls go on borrowing."""
+        nested = {u: outer for u, outer in seen.items() if u.name in self.units and not u.resident}
+        if not nested:
+            return False
+        calls = ", ".join(f"{u.name!r} inside {outer.name!r}" for u, outer in nested.items())
+        if self.graphs.layout_kept:
+            if not nested.keys() <= self.store.nested.reported:
+                self.store.nested.reported.update(nested)
+                logger.warning(
+                    "%s ran nested, a call the learning forwards never saw; the layout is kept (CUDA "
+                    "graphs or a serving engine), so each such call waits for its copy. Outputs are right",
+                    calls,
+                )
+            return False
+        logger.warning(
+            "%s ran nested, a call the learning forwards never saw: its outputs were right; keeping "
+            "it resident and profiling again (save a new profile once in steady state)",
+            calls,
+        )
+        for unit, outer in nested.items():
+            self.weights.keep_unit_resident(unit, f"it runs inside {outer.name!r}", current_values=False)
+        self.plans.clear()
+        self.recordings.clear()
+        self.latest_recording = None
+        self.current = None
+        self.learning.restart_profiling()
+        self._finish_discovery(DiscoveryResult(list(self.order)))
+        return True
+
     def install_plan(
         self, measurements: Measurements, plan: Plan | None = None, crowded_bytes: int = 0
     ) -> None:

@@ -249,6 +249,16 @@ class ProfilingStep:
             unit.compute_done.record(self._compute)
         self.profiler.unit_end(unit.name)
 
+    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+        """A nesting discovery did not see: borrow (see [Note: nested calls]); the engine then drops
+        this forward's sample and learns again."""
+        self.store.nested.pre(unit, running)
+        if not unit.resident:
+            self._compute.wait_event(unit.copy_done)
+
+    def nested_post(self, unit: Unit, output: Any) -> None:
+        self.store.nested.post(unit)
+
     def _timed_load(self, unit: Unit) -> None:
         store, runtime = self.store, self.store.runtime
         stream = runtime.copy_stream

@@ -38,6 +38,7 @@ from .errors import PlanError
 from .host_budget import HostBudget
 from .host_store import UnitPack
 from .layout import UNIT_ALIGNMENT, minimal_arena_bytes, occupancy_cells, ring_layout
+from .nested_calls import NestedCalls
 from .sizes import align_up, format_bytes
 from .units import Placement, Unit
 
@@ -152,6 +153,7 @@ class DeviceStore:
         self.reserved: torch.Tensor | None = None  # see hold_in_reserve
         self.coded_loads: CodedLoads | None = None  # staging slots and decode stream of coded loads
         self.recode: Callable[[Unit], None] | None = None  # encodes a pack built again (pack_compression.py)
+        self.nested = NestedCalls(self)  # units called inside another after learning borrow their range
 
     def hold_in_reserve(self, nbytes: int) -> None:
         """Hold ``nbytes`` of device memory until the next layout, which frees it first and allocates into

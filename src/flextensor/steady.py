@@ -81,6 +81,15 @@ class SteadyStep:
             finally:
                 self.set_stream(compute)
 
+    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+        """``unit`` runs inside another: it borrows its range (see [Note: nested calls])."""
+        self.store.nested.pre(unit, running)
+        if not unit.resident:
+            self.store.runtime.current_stream().wait_event(unit.copy_done)
+
+    def nested_post(self, unit: Unit, output: Any) -> None:
+        self.store.nested.post(unit)
+
 
 class DirectStep(SteadyStep):
     """:class:`SteadyStep` with its waits, records and direct copies made straight into the CUDA runtime
@@ -252,6 +261,21 @@ class OutsideForwardStep:
             self.graphs.restore(self.store)
             self.graphs.fence_end(self.store)
 
+    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+        """A unit called inside another one called outside a forward: it borrows (see [Note: nested
+        calls]), after the replays queued before it."""
+        if unit.placement is Placement.HOST:
+            self.ensure_layout()
+        if unit.resident:
+            return
+        if not holds_weights(unit, self.store.owner):
+            self.graphs.fence_begin()
+        self.store.nested.pre(unit, running)
+        self.store.runtime.current_stream().wait_event(unit.copy_done)
+
+    def nested_post(self, unit: Unit, output: Any) -> None:
+        self.store.nested.post(unit)
+
 
 class CapturedStep(SteadyStep):
     """A steady forward captured in a CUDA graph (``torch.cuda.graph``, ``mode="reduce-overhead"``).
@@ -301,6 +325,19 @@ class CapturedStep(SteadyStep):
         self.copied.update(pending)
         if unit is self.last:
             self.join()
+
+    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+        """As SteadyStep's, with the capture's loads and waits (see [Note: nested calls])."""
+        self.store.nested.pre(unit, running, self._load_on_stream)
+        if unit in self.copied:
+            self.compute.wait_event(unit.copy_done)
+
+    def nested_post(self, unit: Unit, output: Any) -> None:
+        self.computed.add(unit)  # first: the units it displaced load after its compute_done
+        self.store.nested.post(unit, self._load_on_stream)
+
+    def _load_on_stream(self, unit: Unit, compute: Any) -> None:
+        self._load(unit)
 
     def join(self) -> None:
         """Load any assumed unit the forward left out, then make the capturing stream wait for the copy
