@@ -68,7 +68,7 @@ __all__ = [
 class CompiledRuns(Protocol):
     """What the ops call on the hooks of the model they belong to."""
 
-    def run_unit_pre(self, index: int) -> None: ...
+    def run_unit_pre(self, index: int, in_graph: bool = False) -> None: ...
 
     def run_unit_post(self, index: int) -> None: ...
 
@@ -110,7 +110,7 @@ def _runs(model_id: int) -> CompiledRuns:
 @torch.library.custom_op("flextensor::unit_pre", mutates_args=("weights", "token"))
 def unit_pre(weights: list[torch.Tensor], token: torch.Tensor, model_id: int, index: int) -> None:
     """The unit's weights are ready (or are made ready) before any kernel that reads them."""
-    _runs(model_id).run_unit_pre(index)
+    _runs(model_id).run_unit_pre(index, in_graph=True)
 
 
 @unit_pre.register_fake

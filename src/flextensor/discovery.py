@@ -264,10 +264,10 @@ class DiscoveryStep:
             unit.compute_done.record(self._compute)
         return replaced
 
-    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+    def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
         self.pre(unit)  # the checks find the nesting and keep the unit resident before it loads
 
-    def nested_post(self, unit: Unit, output: Any) -> Any:
+    def nested_post(self, unit: Unit, output: Any, caller: Unit) -> Any:
         return self.post(unit, output)
 
 
@@ -312,8 +312,8 @@ class CheckedStep(RecordedStep):
             super().post(unit, output)
         return replaced
 
-    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+    def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
         self.pre(unit)  # as DiscoveryStep's: the checks see the nesting
 
-    def nested_post(self, unit: Unit, output: Any) -> Any:
+    def nested_post(self, unit: Unit, output: Any, caller: Unit) -> Any:
         return self.post(unit, output)

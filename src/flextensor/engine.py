@@ -281,7 +281,6 @@ class OffloadEngine(PlanStates):
         if isinstance(self.step, CapturedStep) or not self.graphs.capturing():
             return
         driver = self._captured_driver()
-        self.store.nested.forget()  # calls made outside a forward borrow, and teach nothing
         driver.begin()
         self.step = driver
 
@@ -307,6 +306,7 @@ class OffloadEngine(PlanStates):
             if self.graphs.capturing():
                 driver.join()
             self.graphs.after_capture(self.store, driver.assumed)
+            self._learn_nested_calls(self.store.nested.forget())  # the layout is kept: a warning
             return
         if self.graphs.captured:
             self.graphs.restore(self.store)

@@ -43,10 +43,12 @@ class StepDriver(Protocol):
 
     def post(self, unit: Unit, output: Any) -> Any: ...
 
-    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
-        """``unit`` starts inside ``running[-2]`` (``running``: the units running, ``unit`` last)."""
+    def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
+        """``unit`` starts inside ``running[-2]`` (``running``: the units running, ``unit`` last);
+        ``in_graph``: called from a compiled graph's op (see [Note: nested calls])."""
 
-    def nested_post(self, unit: Unit, output: Any) -> Any: ...
+    def nested_post(self, unit: Unit, output: Any, caller: Unit) -> Any:
+        """``unit``, called inside ``caller``, returns."""
 
 
 class Controller(Protocol):
@@ -419,7 +421,7 @@ class ModelHooks:
 
     # The two methods below run per streamed unit per forward: attribute reads, no helper calls.
 
-    def run_unit_pre(self, index: int) -> None:
+    def run_unit_pre(self, index: int, in_graph: bool = False) -> None:
         controller = self._controller_ref()
         assert controller is not None, "the engine these hooks belong to is gone"
         owner = controller.bracket.owner
@@ -434,11 +436,15 @@ class ModelHooks:
             controller.capture_began()
         unit = self.units[index]
         running = self.running
-        running.append(unit)  # first: a pre that raises still gets its post (always_call), which pops
-        if len(running) == 1:
-            controller.step.pre(unit)
-        else:
-            controller.step.nested_pre(unit, running)
+        running.append(unit)
+        try:
+            if len(running) == 1:
+                controller.step.pre(unit)
+            else:
+                controller.step.nested_pre(unit, running, in_graph)
+        except BaseException:
+            running.pop()  # its post may not come (an alias's does not when its pre raised)
+            raise
 
     def run_alias_pre(self, index: int, alias: str) -> bool:
         """A module holding some of unit ``index``'s weights is called: the unit's pre-hook, after the
@@ -460,12 +466,13 @@ class ModelHooks:
         owner = controller.bracket.owner
         if owner is not None and owner != threading.get_ident():
             return None  # the rejected call of a second thread: the running forward's state is not ours
+        unit = self.units[index]
         running = self.running
-        if running:
+        if running and running[-1] is unit:  # not when its pre raised (and popped it)
             running.pop()
-        if running:
-            return controller.step.nested_post(self.units[index], output)
-        return controller.step.post(self.units[index], output)
+            if running:
+                return controller.step.nested_post(unit, output, running[-1])
+        return controller.step.post(unit, output)
 
     def run_model_begin(self, signature: str) -> None:
         """The model's forward begins inside a larger compiled region (see compiled.py)."""

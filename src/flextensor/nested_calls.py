@@ -4,20 +4,30 @@
 Discovery keeps a unit that runs inside another one resident, so the plan never streams it. A nesting
 first made later (a branch the learning forwards did not take, a tied alias called from inside a block)
 reaches a step whose loads and prefetches assume that no unit is running. Loading the inner unit there
-could overwrite the range of the outer one, which computes again once the inner returns, and the copies
-the inner's post-hook would issue (the schedule after the inner's place in the learned order) could too.
-So such a call *borrows* its range:
+could overwrite the range of the unit it runs in (its caller), which computes again once the inner
+returns, and the copies the inner's post-hook would issue (the schedule after the inner's place in the
+learned order) could too. So such a call *borrows* its range:
 
-- its copy waits for all the compute enqueued so far (the outer's kernels read the range it may take), not
-  only for the ``compute_done`` of the range's occupants, which the outer has not recorded yet;
+- its copy waits for all the compute enqueued so far on its stream (the callers' kernels read the range
+  it may take), not only for the ``compute_done`` of the range's occupants, which the callers have not
+  recorded yet;
 - its post-hook issues no prefetch;
-- each running unit whose range the load took is loaded again after the inner's compute, and the compute
-  stream waits for that copy before the outer goes on.
+- when it returns, its caller is loaded again if it no longer holds its weights (after the inner's
+  compute), and the compute stream waits for that copy before the caller goes on. Each caller deeper in
+  the stack is restored when the unit it called returns, before it computes again.
 
 The outputs stay right. The engine then keeps the unit resident and profiles again, as discovery would
-have (``OffloadEngine._learn_nested_calls``); until then, or while CUDA graphs hold the layout, every such
-call pays an unhidden copy. The hooks keep the stack of running units (``ModelHooks.running``) and send a
-call made while it is not empty to the step's ``nested_pre`` / ``nested_post``.
+have (``PlanStates._learn_nested_calls``); until then, or while CUDA graphs or a serving engine hold the
+layout, every such call pays an unhidden copy. The hooks keep the stack of running units
+(``ModelHooks.running``) and send a call made while it is not empty to the step's ``nested_pre`` /
+``nested_post``. A unit called inside itself (recursion) is not taken for a nesting to learn.
+
+Inside a compiled graph the kernels around the call need not run in program order: the inner's pre op is
+ordered only after what writes its own weights, so the compiler may move the caller's reads of its
+weights past it. A nested load there that would take a running unit's range is refused (the forward
+stops with an error before any kernel reads wrong bytes; the unit is then kept resident, so the next
+call runs). One that takes no running unit's range is as safe as in eager mode. Kernels of a caller that
+runs on another stream than the inner are ordered only as far as the model's own code orders the two.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .errors import UnsupportedOperationError
 from .units import Unit
 
 if TYPE_CHECKING:
@@ -43,49 +54,59 @@ last read each of its cells, leaving ``compute_stream`` current (``DeviceStore.l
 class NestedCalls:
     """The borrowing of [Note: nested calls] for one model's store, and the nestings it saw."""
 
-    __slots__ = ("_enqueued", "displaced", "reported", "seen", "store")
+    __slots__ = ("_enqueued", "reported", "seen", "store")
 
     def __init__(self, store: DeviceStore) -> None:
         self.store = store
         self._enqueued: Any = None  # an event marking "all compute so far"; made on first use
-        self.displaced: list[list[Unit]] = []  # per nested call running: the running units it displaced
         self.seen: dict[Unit, Unit] = {}  # inner unit -> the unit it first ran inside, since forget()
         self.reported: set[Unit] = set()  # units warned of that go on borrowing (a kept layout)
 
-    def pre(self, unit: Unit, running: Sequence[Unit], load: Load | None = None) -> None:
+    def pre(
+        self, unit: Unit, running: Sequence[Unit], load: Load | None = None, in_graph: bool = False
+    ) -> None:
         """``unit`` (``running[-1]``) starts inside ``running[-2]``: load it if it must, after everything
-        enqueued so far, noting the running units whose range it takes."""
-        self.seen.setdefault(unit, running[-2])
+        enqueued so far. The caller then waits for ``unit.copy_done`` as its step does. ``in_graph``:
+        called from a compiled graph's op (see the note)."""
+        callers = running[:-1]
+        if unit not in callers:  # recursion is no nesting the plan could avoid
+            self.seen.setdefault(unit, callers[-1])
         store = self.store
-        compute = store.runtime.current_stream()
-        displaced: list[Unit] = []
-        self.displaced.append(displaced)  # first: a load that raises still leaves its post one to pop
-        if unit.resident:
-            return
         owner = store.owner
-        if any(owner[cell] is not unit for cell in unit.cells):
-            taken = {owner[cell] for cell in unit.cells}
-            displaced += [u for u in running if u in taken and u is not unit]
-            self._after_enqueued(compute)
-            (load or store.load_on_demand)(unit, compute)
-        compute.wait_event(unit.copy_done)
-
-    def post(self, unit: Unit, load: Load | None = None) -> None:
-        """``unit`` returns: mark its compute, give the running units it displaced their bytes back."""
-        displaced = self.displaced.pop() if self.displaced else []
-        if unit.resident:
+        if unit.resident or all(owner[cell] is unit for cell in unit.cells):
             return
+        if in_graph:
+            taken = {owner[cell] for cell in unit.cells}
+            hit = [u.name for u in callers if u in taken]
+            if hit:
+                raise UnsupportedOperationError(
+                    f"unit {unit.name!r} was called inside {callers[-1].name!r} in a compiled forward, a "
+                    "nesting the learning forwards never saw; its load would overwrite the weights of "
+                    f"{', '.join(repr(n) for n in hit)} while the compiled graph may still read them, so "
+                    f"this forward stopped instead. {unit.name!r} is now kept resident (run the forward "
+                    "again), unless CUDA graphs or a serving engine keep the layout: then keep it out of "
+                    f"the units (exclude_patterns=[{unit.name!r}]) and offload again"
+                )
+        compute = store.runtime.current_stream()
+        self._after_enqueued(compute)
+        (load or store.load_on_demand)(unit, compute)
+
+    def post(self, unit: Unit, caller: Unit, load: Load | None = None) -> None:
+        """``unit`` returns to ``caller``: mark its compute, and give ``caller`` its bytes back if it lost
+        them."""
         store = self.store
         compute = store.runtime.current_stream()
-        unit.compute_done.record(compute)
-        for outer in displaced:
-            (load or store.load_on_demand)(outer, compute)  # waits for unit.compute_done: it occupies it
-            compute.wait_event(outer.copy_done)
+        if not unit.resident:
+            unit.compute_done.record(compute)
+        owner = store.owner
+        if caller.resident or all(owner[cell] is caller for cell in caller.cells):
+            return
+        (load or store.load_on_demand)(caller, compute)  # after unit.compute_done: it occupies some cells
+        compute.wait_event(caller.copy_done)
 
     def forget(self) -> dict[Unit, Unit]:
         """The nestings seen since the last call, and start over (once per forward)."""
         seen, self.seen = self.seen, {}
-        self.displaced.clear()
         return seen
 
     def _after_enqueued(self, compute: Any) -> None:
@@ -96,4 +117,4 @@ class NestedCalls:
         self.store.runtime.copy_stream.wait_event(self._enqueued)
 
     def __repr__(self) -> str:
-        return f"NestedCalls({len(self.displaced)} running, {len(self.seen)} seen)"
+        return f"NestedCalls({len(self.seen)} seen)"

@@ -122,14 +122,15 @@ class PlanStates:
             if not nested.keys() <= self.store.nested.reported:
                 self.store.nested.reported.update(nested)
                 logger.warning(
-                    "%s ran nested, a call the learning forwards never saw; the layout is kept (CUDA "
-                    "graphs or a serving engine), so each such call waits for its copy. Outputs are right",
+                    "units ran inside another, which the learning forwards never saw (%s); the layout is "
+                    "kept (CUDA graphs or a serving engine), so each such call waits for its copy",
                     calls,
                 )
             return False
         logger.warning(
-            "%s ran nested, a call the learning forwards never saw: its outputs were right; keeping "
-            "it resident and profiling again (save a new profile once in steady state)",
+            "units ran inside another, which the learning forwards never saw (%s): outputs were right; "
+            "keeping the inner units resident and profiling again (save a new profile once in steady "
+            "state)",
             calls,
         )
         for unit, outer in nested.items():

@@ -249,15 +249,15 @@ class ProfilingStep:
             unit.compute_done.record(self._compute)
         self.profiler.unit_end(unit.name)
 
-    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+    def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
         """A nesting discovery did not see: borrow (see [Note: nested calls]); the engine then drops
         this forward's sample and learns again."""
-        self.store.nested.pre(unit, running)
+        self.store.nested.pre(unit, running, in_graph=in_graph)
         if not unit.resident:
             self._compute.wait_event(unit.copy_done)
 
-    def nested_post(self, unit: Unit, output: Any) -> None:
-        self.store.nested.post(unit)
+    def nested_post(self, unit: Unit, output: Any, caller: Unit) -> None:
+        self.store.nested.post(unit, caller)
 
     def _timed_load(self, unit: Unit) -> None:
         store, runtime = self.store, self.store.runtime

@@ -81,14 +81,14 @@ class SteadyStep:
             finally:
                 self.set_stream(compute)
 
-    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+    def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
         """``unit`` runs inside another: it borrows its range (see [Note: nested calls])."""
-        self.store.nested.pre(unit, running)
+        self.store.nested.pre(unit, running, in_graph=in_graph)
         if not unit.resident:
             self.store.runtime.current_stream().wait_event(unit.copy_done)
 
-    def nested_post(self, unit: Unit, output: Any) -> None:
-        self.store.nested.post(unit)
+    def nested_post(self, unit: Unit, output: Any, caller: Unit) -> None:
+        self.store.nested.post(unit, caller)
 
 
 class DirectStep(SteadyStep):
@@ -261,20 +261,19 @@ class OutsideForwardStep:
             self.graphs.restore(self.store)
             self.graphs.fence_end(self.store)
 
-    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
+    def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
         """A unit called inside another one called outside a forward: it borrows (see [Note: nested
         calls]), after the replays queued before it."""
         if unit.placement is Placement.HOST:
             self.ensure_layout()
-        if unit.resident:
-            return
-        if not holds_weights(unit, self.store.owner):
+        if not unit.resident and not holds_weights(unit, self.store.owner):
             self.graphs.fence_begin()
-        self.store.nested.pre(unit, running)
-        self.store.runtime.current_stream().wait_event(unit.copy_done)
+        self.store.nested.pre(unit, running, in_graph=in_graph)
+        if not unit.resident:
+            self.store.runtime.current_stream().wait_event(unit.copy_done)
 
-    def nested_post(self, unit: Unit, output: Any) -> None:
-        self.store.nested.post(unit)
+    def nested_post(self, unit: Unit, output: Any, caller: Unit) -> None:
+        self.store.nested.post(unit, caller)
 
 
 class CapturedStep(SteadyStep):
@@ -326,15 +325,15 @@ class CapturedStep(SteadyStep):
         if unit is self.last:
             self.join()
 
-    def nested_pre(self, unit: Unit, running: list[Unit]) -> None:
-        """As SteadyStep's, with the capture's loads and waits (see [Note: nested calls])."""
-        self.store.nested.pre(unit, running, self._load_on_stream)
+    def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
+        """As SteadyStep's, with the capture's loads, and waits only on events recorded in it."""
+        self.store.nested.pre(unit, running, self._load_on_stream, in_graph)
         if unit in self.copied:
             self.compute.wait_event(unit.copy_done)
 
-    def nested_post(self, unit: Unit, output: Any) -> None:
-        self.computed.add(unit)  # first: the units it displaced load after its compute_done
-        self.store.nested.post(unit, self._load_on_stream)
+    def nested_post(self, unit: Unit, output: Any, caller: Unit) -> None:
+        self.computed.add(unit)  # first: a caller it displaced loads after its compute_done
+        self.store.nested.post(unit, caller, self._load_on_stream)
 
     def _load_on_stream(self, unit: Unit, compute: Any) -> None:
         self._load(unit)
