@@ -285,7 +285,8 @@ class CountingRuns:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
 
-    def run_unit_pre(self, index: int) -> None:
+    def run_unit_pre(self, index: int, in_graph: bool = False) -> None:
+        assert in_graph  # called by the op from a compiled graph (see [Note: nested calls])
         self.calls.append(("pre", index))
 
     def run_unit_post(self, index: int) -> None:
