@@ -246,6 +246,7 @@ class ModelHooks:
         # The hooked units running now, outermost first: a call made while one runs is a nested call
         # (see [Note: nested calls] in nested_calls.py).
         self.running: list[Unit] = []
+        self.forward_in_graph = False  # the forward running was begun by a compiled graph's op
         # Whether the compiled pre op orders a unit's kernels through its floating-point inputs rather
         # than its weights (see compiled.written_inputs): set by integrations that need it (vLLM).
         self.order_by_inputs = False
@@ -410,6 +411,8 @@ class ModelHooks:
         bracket.depth -= 1
         if bracket.depth > 0:
             return None
+        self.running.clear()  # a compiled graph that raised ran no post op of the units it had begun
+        self.forward_in_graph = False
         previous, self.eval_frame = self.eval_frame, None
         # PyTorch calls always_call hooks from inside its exception handler when forward raised; a forward
         # that returns None does too, and may run inside the caller's own exception handler.
@@ -444,6 +447,8 @@ class ModelHooks:
                 controller.step.nested_pre(unit, running, in_graph)
         except BaseException:
             running.pop()  # its post may not come (an alias's does not when its pre raised)
+            if in_graph and self.forward_in_graph and controller.bracket.depth == 1:
+                self.model_end(None)  # the graph's model_end op will not run: end the forward (failed)
             raise
 
     def run_alias_pre(self, index: int, alias: str) -> bool:
@@ -457,7 +462,14 @@ class ModelHooks:
         noticed = getattr(self._controller.step, "alias_called", None)
         if noticed is not None and not self._controller.bracket.is_foreign_thread():
             noticed(unit, alias)
-        self.run_unit_pre(index)
+        try:
+            self.run_unit_pre(index)
+        except ConcurrentForwardError:
+            raise
+        except BaseException:
+            if self.running:  # no post comes for this call: the unit it ran in gets its bytes back now
+                self._controller.step.nested_post(unit, None, self.running[-1])
+            raise
         return True
 
     def run_unit_post(self, index: int, output: Any = None) -> Any:
@@ -472,6 +484,8 @@ class ModelHooks:
             running.pop()
             if running:
                 return controller.step.nested_post(unit, output, running[-1])
+        elif running:  # its pre raised inside running[-1]: no prefetch, and the caller gets its bytes back
+            return controller.step.nested_post(unit, output, running[-1])
         return controller.step.post(unit, output)
 
     def run_model_begin(self, signature: str) -> None:
@@ -480,6 +494,8 @@ class ModelHooks:
         # counters grew with no edit (see [Note: editing streamed weights]).
         self._controller.accept_weight_versions()
         self.begin(tuple(signature.split("|")) if signature else ())
+        if self._controller.bracket.depth == 1:
+            self.forward_in_graph = True
         if getattr(self._controller.step, "eager_only", False):
             self.model_end(None)
             raise UnsupportedOperationError(

@@ -26,8 +26,11 @@ Inside a compiled graph the kernels around the call need not run in program orde
 ordered only after what writes its own weights, so the compiler may move the caller's reads of its
 weights past it. A nested load there that would take a running unit's range is refused (the forward
 stops with an error before any kernel reads wrong bytes; the unit is then kept resident, so the next
-call runs). One that takes no running unit's range is as safe as in eager mode. Kernels of a caller that
-runs on another stream than the inner are ordered only as far as the model's own code orders the two.
+call runs). One that takes no running unit's range is as safe as in eager mode, except inside a CUDA
+graph the compiler records around a block whose own hooks ran eagerly (``block.compile(mode=
+"reduce-overhead")``): no step drives that capture, so the load would be replayed blindly; refused too.
+Kernels of a caller that runs on another stream than the inner are ordered only as far as the model's own
+code orders the two.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .errors import UnsupportedOperationError
 from .units import Unit
@@ -63,11 +68,17 @@ class NestedCalls:
         self.reported: set[Unit] = set()  # units warned of that go on borrowing (a kept layout)
 
     def pre(
-        self, unit: Unit, running: Sequence[Unit], load: Load | None = None, in_graph: bool = False
+        self,
+        unit: Unit,
+        running: Sequence[Unit],
+        load: Load | None = None,
+        in_graph: bool = False,
+        capture_step: bool = False,
     ) -> None:
         """``unit`` (``running[-1]``) starts inside ``running[-2]``: load it if it must, after everything
         enqueued so far. The caller then waits for ``unit.copy_done`` as its step does. ``in_graph``:
-        called from a compiled graph's op (see the note)."""
+        called from a compiled graph's op (see the note); ``capture_step``: by the step that drives a
+        CUDA-graph capture."""
         callers = running[:-1]
         if unit not in callers:  # recursion is no nesting the plan could avoid
             self.seen.setdefault(unit, callers[-1])
@@ -78,14 +89,22 @@ class NestedCalls:
         if in_graph:
             taken = {owner[cell] for cell in unit.cells}
             hit = [u.name for u in callers if u in taken]
-            if hit:
+            # A CUDA graph recorded by the compiler around a block whose own hooks ran eagerly: no step
+            # drives the capture, so the load would be baked into the graph and repeated by every replay.
+            recorded = not capture_step and store.runtime.is_cuda and torch.cuda.is_current_stream_capturing()
+            if hit or recorded:
+                why = (
+                    f"its load would overwrite the weights of {', '.join(repr(n) for n in hit)} while "
+                    "the compiled graph may still read them"
+                    if hit
+                    else "its load would be recorded into a CUDA graph that no flextensor step drives"
+                )
                 raise UnsupportedOperationError(
                     f"unit {unit.name!r} was called inside {callers[-1].name!r} in a compiled forward, a "
-                    "nesting the learning forwards never saw; its load would overwrite the weights of "
-                    f"{', '.join(repr(n) for n in hit)} while the compiled graph may still read them, so "
-                    f"this forward stopped instead. {unit.name!r} is now kept resident (run the forward "
-                    "again), unless CUDA graphs or a serving engine keep the layout: then keep it out of "
-                    f"the units (exclude_patterns=[{unit.name!r}]) and offload again"
+                    f"nesting the learning forwards never saw; {why}, so this call stopped instead. In a "
+                    f"forward, {unit.name!r} is then kept resident and the forward runs when called "
+                    "again; where CUDA graphs or a serving engine keep the layout, or outside a forward, "
+                    f"keep it out of the units (exclude_patterns=[{unit.name!r}]) and offload again"
                 )
         compute = store.runtime.current_stream()
         self._after_enqueued(compute)

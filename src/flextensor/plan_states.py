@@ -128,9 +128,8 @@ class PlanStates:
                 )
             return False
         logger.warning(
-            "units ran inside another, which the learning forwards never saw (%s): outputs were right; "
-            "keeping the inner units resident and profiling again (save a new profile once in steady "
-            "state)",
+            "units ran inside another, which the learning forwards never saw (%s): keeping the inner "
+            "units resident and profiling again (save a new profile once in steady state)",
             calls,
         )
         for unit, outer in nested.items():

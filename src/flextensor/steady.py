@@ -327,7 +327,7 @@ class CapturedStep(SteadyStep):
 
     def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
         """As SteadyStep's, with the capture's loads, and waits only on events recorded in it."""
-        self.store.nested.pre(unit, running, self._load_on_stream, in_graph)
+        self.store.nested.pre(unit, running, self._load_on_stream, in_graph, capture_step=True)
         if unit in self.copied:
             self.compute.wait_event(unit.copy_done)
 
