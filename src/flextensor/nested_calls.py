@@ -35,7 +35,6 @@ code orders the two.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +45,6 @@ from .units import Unit
 
 if TYPE_CHECKING:
     from .slots import DeviceStore
-
-logger = logging.getLogger("flextensor")
 
 __all__ = ["Load", "NestedCalls"]
 

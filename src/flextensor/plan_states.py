@@ -101,13 +101,18 @@ class PlanStates:
             "this model does not run as it did when its profile was made (its code changed?): "
             "profiling it again; save a new profile once it reaches steady state"
         )
+        known = set(result.order)
+        order = [*result.order, *(u for u in self.order if u not in known)]
+        self._learn_again(DiscoveryResult(order, dict(result.must_stay_resident)))
+
+    def _learn_again(self, discovered: DiscoveryResult) -> None:
+        """Forget every plan and recording, and profile again from ``discovered``."""
         self.plans.clear()
         self.recordings.clear()
         self.latest_recording = None
         self.current = None
-        known = set(result.order)
-        order = [*result.order, *(u for u in self.order if u not in known)]
-        self._finish_discovery(DiscoveryResult(order, dict(result.must_stay_resident)))
+        self.learning.restart_profiling()
+        self._finish_discovery(discovered)
 
     def _learn_nested_calls(self, seen: dict[Unit, Unit]) -> bool:
         """Streamed units that ran inside another after learning (see [Note: nested calls] in
@@ -134,12 +139,7 @@ class PlanStates:
         )
         for unit, outer in nested.items():
             self.weights.keep_unit_resident(unit, f"it runs inside {outer.name!r}", current_values=False)
-        self.plans.clear()
-        self.recordings.clear()
-        self.latest_recording = None
-        self.current = None
-        self.learning.restart_profiling()
-        self._finish_discovery(DiscoveryResult(list(self.order)))
+        self._learn_again(DiscoveryResult(list(self.order)))
         return True
 
     def install_plan(
