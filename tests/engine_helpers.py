@@ -32,6 +32,20 @@ RESIDENT = ("resident", "device_only")
 """The placements of a unit with device storage of its own."""
 
 
+class Stack(nn.Module):
+    """Linear layers with a tanh between them, seeded: a stack of equal units."""
+
+    def __init__(self, layers: int = 16, width: int = 256) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
 def run_forwards(model: nn.Module, inputs: object, n: int = 4) -> list[torch.Tensor]:
     outs = []
     with torch.no_grad():

@@ -332,3 +332,35 @@ def test_a_unit_first_called_inside_another_after_learning_is_bitwise_on_cuda() 
             assert torch.equal(model(x), expected), f"forward {i} after the nesting began"
     assert "helper.0.weight" in flextensor.resident_parameters(model)
     flextensor.release(model)
+
+
+def test_a_wrapper_subclass_weight_moves_to_the_device_whole_and_back_on_release() -> None:
+    """[Note: tensor-subclass weights] on the GPU: a torchao-like weight (inner tensors) under a unit is
+    swapped onto the device at offload (``param.data =`` would leave its inner tensors on the host and the
+    forward would fail), keeps its parameter object, and goes back with ``release(model, "cpu")``."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def build() -> nn.Module:
+        model = Heavy(dim=1024, layers=4)
+        weight = model.blocks[1][0].weight.detach()
+        two = TwoTensor(weight.clone(), weight.clone())
+        model.blocks[1][0].weight = nn.Parameter(two, requires_grad=False)
+        return model
+
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        expected = build().cuda()(x).a.clone()
+    torch.cuda.empty_cache()
+    model = build()
+    weight = model.blocks[1][0].weight
+    budget = torch.cuda.memory_allocated() + 40 * 2**20  # blocks of 8 MiB: two in flight, the 8 MiB weight
+    config = flextensor.OffloadConfig(include_patterns=["blocks.*"], gpu_memory_budget=budget)
+    with pytest.warns(UserWarning, match="tensor subclasses"):
+        flextensor.offload(model, config)
+    assert model.blocks[1][0].weight is weight and weight.a.is_cuda and weight.b.is_cuda
+    with torch.no_grad():
+        for i in range(5):
+            assert torch.equal(model(x).a, expected), f"forward {i}"
+    assert flextensor.phase(model) == "inference"
+    flextensor.release(model, "cpu")
+    assert model.blocks[1][0].weight is weight and weight.a.device.type == "cpu"

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import flextensor
+from engine_helpers import Stack
 from flextensor import slots
 from flextensor.errors import (
     ConfigError,
@@ -37,18 +38,6 @@ def _steady(model: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
             out = model(*inputs)
     assert flextensor.phase(model) == "inference"
     return out
-
-
-class Stack(nn.Module):
-    def __init__(self, layers: int = 16, width: int = 256) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 # -- interrupts -----------------------------------------------------------------------------------------

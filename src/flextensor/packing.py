@@ -25,6 +25,7 @@ from .errors import UnsupportedModelError
 from .host_store import PackedParameter, UnitPack, pack_unit
 from .progress import progress_bar
 from .selection import Selection
+from .tensor_subclasses import is_wrapper_subclass, set_parameter_value
 from .units import Unit
 
 if TYPE_CHECKING:
@@ -261,10 +262,11 @@ class Packing:
     def move_resident_to(self, device: torch.device) -> None:
         """Move every parameter and buffer that never streams to ``device``, for good."""
         streamed = {id(p) for u in self.units for _, p, _ in u.parameters}
-        for param in self.model.parameters():
+        for name, param in self.model.named_parameters():
             if id(param) not in streamed and param.device != device:
-                self._moved.append((param, param.data))
-                param.data = param.data.to(device)
+                moved = param.data.to(device)
+                self._moved.append((param, param.detach() if is_wrapper_subclass(param) else param.data))
+                set_parameter_value(param, moved, repr(name))
         for module in self.model.modules():
             for key, buf in module._buffers.items():
                 if buf is not None and buf.device != device:
@@ -298,7 +300,7 @@ class Packing:
                 param.data = unit.kept(entry).to(original, copy=True)
         # Last: a parameter read from a checkpoint gets its own values back, not the packed ones.
         for param, original in self._moved:
-            param.data = original
+            set_parameter_value(param, original)
         # Freeing is idempotent; a pack the engine built again is only on its unit.
         for pack in [*self._packs, *(u.pack for u in self.units if u.pack is not None)]:
             pack.free()

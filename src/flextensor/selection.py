@@ -11,8 +11,10 @@ Evaluation order (see docs/patterns.md):
 4. A parameter (or storage) reachable from more than one unit stays resident; so does one reachable from a
    unit and from outside every unit, unless each holder outside is a module with no unit inside it (UMT5's
    ``shared`` beside its unit ``encoder.embed_tokens``): such a holder becomes an *alias* of the unit, whose
-   calls load the unit's weights as the unit's own do (see [Note: tied aliases] in discovery.py). A unit
-   left with nothing to stream is dropped.
+   calls load the unit's weights as the unit's own do (see [Note: tied aliases] in discovery.py).
+5. A parameter that is a tensor subclass (torchao, quanto quantized weights) stays resident, with a warning
+   (see [Note: tensor-subclass weights] in tensor_subclasses.py). A unit left with nothing to stream is
+   dropped.
 
 Buffers are never offloaded and are not listed. ``select`` reads the model and never modifies it.
 """
@@ -24,10 +26,13 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from flextensor.errors import SelectionError
 from flextensor.patterns import class_names, is_class_pattern, match_exclude, match_include, validate_pattern
+from flextensor.sizes import format_bytes
+from flextensor.tensor_subclasses import is_wrapper_subclass
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class Selection:
     resident_parameters: tuple[str, ...]
     """Every other parameter FQN of the model, in ``named_parameters`` order."""
     resident_reasons: dict[str, str]
-    """FQN -> why a parameter under a unit stays resident (excluded or tied)."""
+    """FQN -> why a parameter under a unit stays resident (excluded, tied or a tensor subclass)."""
     unit_aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Unit path -> the module paths outside every unit that hold some of its streamed parameters (tied),
     for the units that have any."""
@@ -129,6 +134,7 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
             else:
                 reasons[name] = reason
     aliases = _aliases(dict(all_modules), streamed, outside_holders, reasons)
+    _warn_subclasses(reasons, dict(model.named_parameters()))
 
     unit_parameters: dict[str, list[str]] = {}
     for name in canonical.values():
@@ -144,6 +150,37 @@ def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: 
         resident_reasons={name: reasons[name] for name in canonical.values() if name in reasons},
         unit_aliases={unit: tuple(aliases[unit]) for unit in kept if aliases.get(unit)},
     )
+
+
+SUBCLASS_REASON = "a tensor subclass, which flextensor cannot stream"
+"""Why a wrapper-subclass weight (torchao, quanto) under a unit stays on the device: see [Note:
+tensor-subclass weights] in tensor_subclasses.py."""
+
+
+def _warn_subclasses(reasons: dict[str, str], params: dict[str, nn.Parameter]) -> None:
+    """One warning for the weights under units that stay resident for being tensor subclasses: the
+    user asked to offload them, and they will hold device memory."""
+    kept = [name for name, reason in reasons.items() if reason.startswith(SUBCLASS_REASON)]
+    if not kept:
+        return
+    kinds = sorted({type(params[name]).__name__ for name in kept})
+    nbytes = sum(_tensor_bytes(params[name]) for name in kept)
+    shown = ", ".join(kept[:3]) + (f", ... (+{len(kept) - 3})" if len(kept) > 3 else "")
+    warnings.warn(
+        f"{len(kept)} parameter(s) under offload units ({shown}; {format_bytes(nbytes)}) are tensor "
+        f"subclasses ({', '.join(kinds)}, e.g. torchao or quanto quantized weights), which flextensor cannot "
+        "stream: they stay on the device. To stream them, keep the weights as plain tensors (unquantized, a "
+        "float8 dtype, GGUF); exclude these modules to silence this warning",
+        stacklevel=3,
+    )
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds: a wrapper subclass's inner tensors (quantized data, scales), else its own."""
+    if not is_wrapper_subclass(tensor) or not hasattr(tensor, "__tensor_flatten__"):
+        return tensor.numel() * tensor.element_size()
+    names, _ = tensor.__tensor_flatten__()
+    return sum(_tensor_bytes(getattr(tensor, name)) for name in names)
 
 
 def _checked(patterns: Sequence[str], field_name: str) -> tuple[str, ...]:
@@ -317,6 +354,8 @@ def _resident_reason(
     hit = _excluded_by(name, home, exclude, excluded_at)
     if hit is not None:
         return _describe(hit)
+    if is_wrapper_subclass(param):
+        return f"{SUBCLASS_REASON} ({type(param).__name__})"
     others = list(dict.fromkeys(path or "<root>" for path, fqn, _ in group if fqn != name))
     if len(owners - {None}) > 1:
         return f"tied: also used by {', '.join(others)}"
@@ -397,7 +436,8 @@ def _nothing_streamed(
     if units:
         why = (
             f"the {len(units)} offload unit(s) found ({', '.join(units[:3])}) keep every parameter "
-            "resident (excluded or tied): loosen exclude_patterns" + (f", or try {other}" if other else "")
+            "resident (excluded, tied or tensor subclasses): loosen exclude_patterns"
+            + (f", or try {other}" if other else "")
         )
     else:
         why = "they select no module that runs a forward" + (f"; try {other}" if other else "")

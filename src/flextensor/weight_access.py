@@ -22,6 +22,7 @@ from torch import nn
 
 from .errors import UnsupportedOperationError
 from .slots import DeviceStore
+from .tensor_subclasses import set_parameter_value
 from .units import Unit, parameter_aliases
 from .weight_edits import unguard_parameter
 
@@ -169,7 +170,7 @@ class StreamedWeights:
         parameters that hold the right values either way."""
         for owner, key, value in swaps:
             if key == "data":
-                owner.data = value
+                set_parameter_value(owner, value)
             else:
                 owner._buffers[key] = value
 

@@ -1,0 +1,52 @@
+"""Parameters that are tensor subclasses (torchao, optimum-quanto quantized weights): kept on the device.
+
+[Note: tensor-subclass weights]
+A wrapper subclass (``torch.Tensor._make_wrapper_subclass``: torchao's ``Int8Tensor`` / ``Float8Tensor``,
+quanto's ``WeightQBytesTensor``) keeps its values in inner tensors (``qdata``, ``scale``, ...). The engine
+points a streamed parameter at its pack and its arena range with ``param.data = view``; on a wrapper
+subclass that assignment is silently ignored (the inner tensors stay where they were), so such a weight
+would neither stream nor move: it would crash the forward on another device, or stay on the GPU while the
+report called it streamed. Selection therefore keeps these parameters resident (with a warning that
+names them), and moving one to the device swaps the whole tensor (``torch.utils.swap_tensors``, as
+``nn.Module.to`` does for them), which keeps the parameter object and so its ties and the user's
+references. Parameter subclasses over a storage of their own (diffusers' ``GGUFParameter``, whose
+``quant_type`` stays on the parameter object) are not wrapper subclasses, and they stream.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .errors import UnsupportedModelError
+
+__all__ = ["is_wrapper_subclass", "set_parameter_value"]
+
+
+def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` keeps its values in inner tensors rather than a storage of its own, so that
+    ``tensor.data = ...`` cannot re-point it."""
+    if is_traceable_wrapper_subclass(tensor):
+        return True
+    try:
+        tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # "an invalid python storage": a wrapper's
+        return True
+    return False
+
+
+def set_parameter_value(param: nn.Parameter, value: torch.Tensor, name: str = "a parameter") -> None:
+    """Make ``param`` (the same object) hold ``value``: ``param.data = value`` for plain tensors, a swap
+    of the whole tensor for wrapper subclasses (see [Note: tensor-subclass weights])."""
+    if not is_wrapper_subclass(param) and not is_wrapper_subclass(value):
+        param.data = value
+        return
+    replacement = nn.Parameter(value, requires_grad=param.requires_grad)
+    try:
+        torch.utils.swap_tensors(param, replacement)
+    except RuntimeError as error:  # weak references (a compiled graph's guards), extra uses
+        raise UnsupportedModelError(
+            f"cannot move {name}, a {type(param).__name__} (a tensor subclass), to {value.device}: {error}; "
+            f"move it there before offload() (e.g. the module that holds it), or exclude it from offloading"
+        ) from error
