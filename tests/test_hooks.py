@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import flextensor
-from engine_helpers import CPU, LEARN, assert_all_equal, run_forwards
+from engine_helpers import CPU, LEARN, Stack, assert_all_equal, run_forwards
 from flextensor.errors import ConcurrentForwardError, UnsupportedOperationError
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
@@ -256,6 +256,28 @@ class _TiedStack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def test_autocast_caches_no_streamed_weight_casts_and_outputs_match_the_cached_native_run() -> None:
+    """[Note: autocast's weight cache]: inside an offloaded forward the cache is off (casts of streamed
+    weights would pile up on the device for the whole autocast region), on again after it; the outputs
+    are the bits of the model without flextensor run with the cache on."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    native = Stack(layers=4, width=64)
+    model = Stack(layers=4, width=64)
+    seen: list[bool] = []
+    model.layers[2].register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_cache_enabled()))
+    flextensor.offload(model, streaming_config(model, ["layers.*"]))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(LEARN + 3):  # one region: the native run reuses its cached casts
+            expected = native(x)
+            assert torch.equal(model(x), expected), f"forward {i}"
+            assert torch.is_autocast_cache_enabled()
+    assert flextensor.phase(model) == "inference"
+    assert seen and not any(seen)
+    with torch.no_grad():
+        model(x)  # no autocast: nothing to pause
+    assert seen[-1] and torch.is_autocast_cache_enabled()
 
 
 def test_a_weight_tied_within_a_unit_reads_right_under_every_name_and_keeps_its_tie() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .autocast_cache import AutocastCachePause
 from .autograd_guard import StreamedWeightGuard
 from .config import OffloadConfig
 from .cuda_graphs import GraphCaptures
@@ -112,6 +113,7 @@ class OffloadEngine(PlanStates):
         self._record_next = False
         self._check_next = False  # the first forward from a saved profile checks the model still fits it
         self._grad_guard = StreamedWeightGuard()
+        self._autocast_cache = AutocastCachePause(self.runtime.device.type)  # see autocast_cache.py
         self.watch = WeightWatch()  # in-place writes into streamed weights between forwards
         self._rearm_watch = False  # weights left the stream during this forward
         self.editing: EditSession | None = None  # flextensor.editing(model) is open
@@ -233,8 +235,10 @@ class OffloadEngine(PlanStates):
         self.store.nested.forget()  # calls made outside a forward borrow, and teach nothing
         driver.begin()
         self.step = driver
-        if torch.is_grad_enabled() and self.store.arena is not None:
-            self._grad_guard.enter(self.store.arena)
+        if self.store.arena is not None:
+            self._autocast_cache.enter()
+            if torch.is_grad_enabled():
+                self._grad_guard.enter(self.store.arena)
 
     def _driver(self) -> Any:
         if self.phase is Phase.DISCOVERY or (self.phase is Phase.INFERENCE and self._check_next):
@@ -300,6 +304,7 @@ class OffloadEngine(PlanStates):
     def _end_forward(self, error: type[BaseException] | None) -> None:
         driver, self.step = self.step, self._outside
         self._grad_guard.exit()
+        self._autocast_cache.exit()
         self.bracket.reset()
         self.forwards += 1
         if isinstance(driver, CapturedStep):

@@ -170,7 +170,7 @@ def _warn_subclasses(reasons: dict[str, str], params: dict[str, nn.Parameter]) -
         f"{len(kept)} parameter(s) under offload units ({shown}; {format_bytes(nbytes)}) are tensor "
         f"subclasses ({', '.join(kinds)}, e.g. torchao or quanto quantized weights), which flextensor cannot "
         "stream: they stay on the device. To stream them, keep the weights as plain tensors (unquantized, a "
-        "float8 dtype, GGUF); exclude these modules to silence this warning",
+        "float8 dtype, GGUF, bitsandbytes); exclude these modules to silence this warning",
         stacklevel=3,
     )
 

@@ -10,7 +10,8 @@ report called it streamed. Selection therefore keeps these parameters resident (
 names them), and moving one to the device swaps the whole tensor (``torch.utils.swap_tensors``, as
 ``nn.Module.to`` does for them), which keeps the parameter object and so its ties and the user's
 references. Parameter subclasses over a storage of their own (diffusers' ``GGUFParameter``, whose
-``quant_type`` stays on the parameter object) are not wrapper subclasses, and they stream.
+``quant_type`` stays on the parameter object; bitsandbytes' ``Params4bit`` and ``Int8Params``, whose
+scales stay on it too) are not wrapper subclasses, and they stream.
 """
 
 from __future__ import annotations
