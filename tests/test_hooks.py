@@ -280,6 +280,26 @@ def test_autocast_caches_no_streamed_weight_casts_and_outputs_match_the_cached_n
     assert seen[-1] and torch.is_autocast_cache_enabled()
 
 
+def test_calling_forward_directly_warns_once_and_outputs_stay_right(caplog: pytest.LogCaptureFixture) -> None:
+    """``model.forward(x)`` skips the model's hooks: every unit runs as if called by hand, loaded when it
+    runs and learning nothing. Said once; one block called by hand is not that."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = Stack(layers=4, width=64)(x)
+    model = Stack(layers=4, width=64)
+    flextensor.offload(model, streaming_config(model, ["layers.*"]))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="flextensor"):
+        model.layers[0](x)  # by hand: no warning
+        model.layers[0](x)
+        assert "outside a call of the model itself" not in caplog.text
+        for _ in range(3):
+            assert torch.equal(model.forward(x), expected)
+        assert flextensor.phase(model) == "discovery"  # nothing learned
+        assert caplog.text.count("every unit of Stack ran outside a call of the model itself") == 1
+        assert_all_equal(run_forwards(model, x, LEARN + 1), expected)
+        assert flextensor.phase(model) == "inference"
+
+
 def test_a_weight_tied_within_a_unit_reads_right_under_every_name_and_keeps_its_tie() -> None:
     """state_dict() holds a key for each name of a tied weight: every one is the host copy (found wrong
     before: the last name only, the others read the arena, which held another unit's bytes), one tensor

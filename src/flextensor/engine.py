@@ -97,7 +97,9 @@ class OffloadEngine(PlanStates):
         ensure_layout = weakref.WeakMethod(self._ensure_layout)  # no cycle: see ModelHooks
         self._steady = steady_step(self.store)
         self.graphs = GraphCaptures(self.runtime, type(model).__name__)
-        self._outside = OutsideForwardStep(self.store, lambda: ensure_layout()(), self.graphs)
+        self._outside = OutsideForwardStep(
+            self.store, lambda: ensure_layout()(), self.graphs, type(model).__name__
+        )
         self.step: Any = self._outside  # what the unit hooks call (see hooks.py)
         self.learning = Learning(config.discovery_forwards, config.profiling_forwards)
         left_the_stream = weakref.WeakMethod(self._weight_left_the_stream)  # no cycle: see ModelHooks
@@ -233,6 +235,8 @@ class OffloadEngine(PlanStates):
             self.graphs.fence_begin()
             driver = self._driver()
         self.store.nested.forget()  # calls made outside a forward borrow, and teach nothing
+        if self._outside.called:
+            self._outside.called.clear()
         driver.begin()
         self.step = driver
         if self.store.arena is not None:

@@ -15,6 +15,7 @@ may do so while the rest runs on the default stream (DirectStep reads a raw hand
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ from .device import HostCalls
 from .slots import DeviceStore, copy_into_range, holds_weights, wait_for_decodes
 from .timeline import StepRecorder
 from .units import Placement, Unit
+
+logger = logging.getLogger("flextensor")
 
 __all__ = [
     "CapturedStep",
@@ -235,14 +238,21 @@ class OutsideForwardStep:
     them without. Once a CUDA graph was captured (``graphs``), its load comes after the replays queued
     before it and the units a replay counts on are loaded again after it, as after an eager forward."""
 
-    __slots__ = ("ensure_layout", "graphs", "store")
+    __slots__ = ("called", "ensure_layout", "graphs", "model_name", "store", "warned")
 
-    def __init__(self, store: DeviceStore, ensure_layout: Callable[[], None], graphs: Any) -> None:
+    def __init__(
+        self, store: DeviceStore, ensure_layout: Callable[[], None], graphs: Any, model_name: str
+    ) -> None:
         self.store = store
         self.ensure_layout = ensure_layout
         self.graphs = graphs
+        self.model_name = model_name
+        self.called: set[int] = set()  # units called outside a forward since the last forward began
+        self.warned = False
 
     def pre(self, unit: Unit) -> None:
+        if not self.warned:
+            self._notice(unit)
         if unit.placement is Placement.HOST:
             self.ensure_layout()
         if unit.resident:
@@ -260,6 +270,21 @@ class OutsideForwardStep:
         if self.graphs.captured:
             self.graphs.restore(self.store)
             self.graphs.fence_end(self.store)
+
+    def _notice(self, unit: Unit) -> None:
+        """Warn once when every unit ran outside a forward between two forwards: the model's own call
+        was bypassed (``model.forward(x)``), so nothing is learned or prefetched. One unit called by hand
+        (a block, a tied alias) is not that."""
+        self.called.add(unit.index)
+        units = len(self.store.units)
+        if units > 1 and len(self.called) == units:
+            self.warned = True
+            logger.warning(
+                "every unit of %s ran outside a call of the model itself (model.forward(...) called "
+                "directly?): such calls load each unit when it runs, with no prefetch, and flextensor "
+                "learns nothing from them; call the model (model(...)), or offload the module you call",
+                self.model_name,
+            )
 
     def nested_pre(self, unit: Unit, running: list[Unit], in_graph: bool) -> None:
         """A unit called inside another one called outside a forward: it borrows (see [Note: nested
