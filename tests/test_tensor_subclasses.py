@@ -145,3 +145,20 @@ def test_a_wrapper_subclass_that_cannot_be_swapped_is_refused_with_what_to_do() 
     with pytest.raises(UnsupportedModelError, match="move it there before offload"):
         set_parameter_value(layer.weight, TwoTensor(torch.ones(4, 4), torch.ones(4, 4)), "'layer.weight'")
     assert watcher() is layer.weight and not torch.equal(layer.weight.a, torch.ones(4, 4))
+
+
+def test_reading_a_checkpoint_into_a_subclass_weight_is_refused_before_anything_changes(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    model = Stack(layers=2, width=32)
+    path = tmp_path / "stack.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    _as_two_tensor(model.layers[1])
+    weight = model.layers[1].weight
+    before = weight.a.clone()
+    with pytest.raises(UnsupportedModelError, match="cannot read a checkpoint into"):
+        flextensor.offload(
+            model, flextensor.OffloadConfig(include_patterns=["layers.*"], device="cpu"), weights=path
+        )
+    assert model.layers[1].weight is weight and torch.equal(weight.a, before)
+    assert not hasattr(model, "_flextensor_engine")

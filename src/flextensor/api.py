@@ -19,6 +19,7 @@ from .host_budget import HostBudget, host_budget_target, probe_links
 from .packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
 from .selection import select
 from .status import OffloadStatus
+from .tensor_subclasses import refuse_subclass_checkpoint
 
 if TYPE_CHECKING:
     from .profile_file import Profile
@@ -109,6 +110,7 @@ def offload(
                 "share_host_memory=True with weights= is not supported yet: load the weights first "
                 "(or leave share_host_memory off)"
             )
+        refuse_subclass_checkpoint(model)
         checkpoint = plan_checkpoint_load(model, weights)
     with Packing(model, selection, target, checkpoint) as packing:
         units = packing.pack_units(config)

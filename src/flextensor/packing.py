@@ -265,8 +265,9 @@ class Packing:
         for name, param in self.model.named_parameters():
             if id(param) not in streamed and param.device != device:
                 moved = param.data.to(device)
-                self._moved.append((param, param.detach() if is_wrapper_subclass(param) else param.data))
+                original = param.detach() if is_wrapper_subclass(param) else param.data
                 set_parameter_value(param, moved, repr(name))
+                self._moved.append((param, original))  # after: a refused swap moved nothing
         for module in self.model.modules():
             for key, buf in module._buffers.items():
                 if buf is not None and buf.device != device:
@@ -299,11 +300,13 @@ class Packing:
                 original = self._original_devices[id(param)]
                 param.data = unit.kept(entry).to(original, copy=True)
         # Last: a parameter read from a checkpoint gets its own values back, not the packed ones.
-        for param, original in self._moved:
-            set_parameter_value(param, original)
-        # Freeing is idempotent; a pack the engine built again is only on its unit.
-        for pack in [*self._packs, *(u.pack for u in self.units if u.pack is not None)]:
-            pack.free()
+        try:
+            for param, original in self._moved:
+                set_parameter_value(param, original)
+        finally:
+            # Freeing is idempotent; a pack the engine built again is only on its unit.
+            for pack in [*self._packs, *(u.pack for u in self.units if u.pack is not None)]:
+                pack.free()
 
 
 def _places(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -238,7 +238,7 @@ class OutsideForwardStep:
     them without. Once a CUDA graph was captured (``graphs``), its load comes after the replays queued
     before it and the units a replay counts on are loaded again after it, as after an eager forward."""
 
-    __slots__ = ("called", "ensure_layout", "graphs", "model_name", "store", "warned")
+    __slots__ = ("called", "ensure_layout", "graphs", "model_name", "store", "streamed", "warned")
 
     def __init__(
         self, store: DeviceStore, ensure_layout: Callable[[], None], graphs: Any, model_name: str
@@ -248,6 +248,7 @@ class OutsideForwardStep:
         self.graphs = graphs
         self.model_name = model_name
         self.called: set[int] = set()  # units called outside a forward since the last forward began
+        self.streamed = 0  # how many units stream, read when ``called`` starts filling
         self.warned = False
 
     def pre(self, unit: Unit) -> None:
@@ -272,12 +273,15 @@ class OutsideForwardStep:
             self.graphs.fence_end(self.store)
 
     def _notice(self, unit: Unit) -> None:
-        """Warn once when every unit ran outside a forward between two forwards: the model's own call
+        """Warn once when every streamed unit ran outside a forward between two forwards: the model's call
         was bypassed (``model.forward(x)``), so nothing is learned or prefetched. One unit called by hand
         (a block, a tied alias) is not that."""
+        if unit.resident:
+            return  # a plan's resident units lose their hooks: count what every call still reaches
+        if not self.called:  # the first since a forward: the plan may have changed
+            self.streamed = sum(not u.resident for u in self.store.units)
         self.called.add(unit.index)
-        units = len(self.store.units)
-        if units > 1 and len(self.called) == units:
+        if self.streamed > 1 and len(self.called) == self.streamed:
             self.warned = True
             logger.warning(
                 "every unit of %s ran outside a call of the model itself (model.forward(...) called "

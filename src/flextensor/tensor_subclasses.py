@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import UnsupportedModelError
 
-__all__ = ["is_wrapper_subclass", "set_parameter_value"]
+__all__ = ["is_wrapper_subclass", "refuse_subclass_checkpoint", "set_parameter_value"]
 
 
 def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
@@ -51,3 +51,15 @@ def set_parameter_value(param: nn.Parameter, value: torch.Tensor, name: str = "a
             f"cannot move {name}, a {type(param).__name__} (a tensor subclass), to {value.device}: {error}; "
             f"move it there before offload() (e.g. the module that holds it), or exclude it from offloading"
         ) from error
+
+
+def refuse_subclass_checkpoint(model: nn.Module) -> None:
+    """``offload(weights=...)`` reads plain tensors into parameters; a wrapper subclass cannot take one
+    (its inner tensors would keep their old values): refused before anything changes."""
+    names = [name for name, param in model.named_parameters() if is_wrapper_subclass(param)]
+    if names:
+        raise UnsupportedModelError(
+            f"{len(names)} parameter(s) ({', '.join(names[:3])}) are tensor subclasses (e.g. torchao "
+            "quantized weights), which offload(weights=...) cannot read a checkpoint into; load the "
+            "weights first and call offload() without weights="
+        )
