@@ -162,3 +162,23 @@ def test_reading_a_checkpoint_into_a_subclass_weight_is_refused_before_anything_
         )
     assert model.layers[1].weight is weight and torch.equal(weight.a, before)
     assert not hasattr(model, "_flextensor_engine")
+
+
+def test_release_to_a_device_refuses_a_subclass_weight_it_cannot_swap_before_changing_anything() -> None:
+    model = Stack(layers=3, width=32)
+    _as_two_tensor(model.layers[1])
+    weight = model.layers[1].weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flextensor.offload(model, streaming_config(model, ["layers.*"]))
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        expected = model(x)
+    watcher = weakref.ref(weight)  # what a compiled graph's guards hold
+    with pytest.raises(flextensor.FlexTensorError, match="weak reference"):
+        flextensor.release(model, "meta")
+    with torch.no_grad():
+        assert torch.equal(model(x).a, expected.a)  # still offloaded and working
+    assert "layers.0.weight" in flextensor.offloaded_parameters(model)
+    del watcher
+    flextensor.release(model)

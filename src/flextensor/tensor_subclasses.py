@@ -16,13 +16,15 @@ scales stay on it too) are not wrapper subclasses, and they stream.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .errors import UnsupportedModelError
+from .errors import UnsupportedModelError, UnsupportedOperationError
 
-__all__ = ["is_wrapper_subclass", "refuse_subclass_checkpoint", "set_parameter_value"]
+__all__ = ["check_swappable", "is_wrapper_subclass", "refuse_subclass_checkpoint", "set_parameter_value"]
 
 
 def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
@@ -51,6 +53,17 @@ def set_parameter_value(param: nn.Parameter, value: torch.Tensor, name: str = "a
             f"cannot move {name}, a {type(param).__name__} (a tensor subclass), to {value.device}: {error}; "
             f"move it there before offload() (e.g. the module that holds it), or exclude it from offloading"
         ) from error
+
+
+def check_swappable(param: nn.Parameter) -> None:
+    """Raise UnsupportedOperationError if ``param`` is a wrapper subclass that a swap would refuse (weak
+    references to it), so a caller can refuse before changing anything."""
+    if is_wrapper_subclass(param) and weakref.getweakrefs(param):
+        raise UnsupportedOperationError(
+            f"cannot move a {type(param).__name__} parameter (a tensor subclass) while something holds a "
+            "weak reference to it (a compiled graph's guards, e.g.: reset them with torch._dynamo.reset()); "
+            "release the model without device=, then move it"
+        )
 
 
 def refuse_subclass_checkpoint(model: nn.Module) -> None:

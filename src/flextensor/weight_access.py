@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import UnsupportedOperationError
 from .slots import DeviceStore
-from .tensor_subclasses import set_parameter_value
+from .tensor_subclasses import check_swappable, set_parameter_value
 from .units import Unit, parameter_aliases
 from .weight_edits import unguard_parameter
 
@@ -158,6 +158,7 @@ class StreamedWeights:
             for module in self.model.modules():
                 for param in module._parameters.values():
                     if param is not None and id(param) not in built and param.device != device:
+                        check_swappable(param)  # before anything changes: never a half-released model
                         swaps.append((param, "data", param.data.to(device)))
                 for key, buf in module._buffers.items():
                     if buf is not None and buf.device != device:
