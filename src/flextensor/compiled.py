@@ -31,8 +31,8 @@ Dynamo meets flextensor's hooks in one of two ways, and neither puts the engine'
 
 The forwards that need eager Python around every torch call (discovery, and the first forward from a
 saved profile, see discovery.py) run uncompiled: the model's pre-hook switches Dynamo's frame evaluation
-off for that forward and its post-hook switches it back (see hooks.model_pre_hook). The profiling forward
-runs compiled, so the plan is made for the compiled compute.
+off for that forward and its post-hook switches it back (see hook_functions.model_pre_hook). The
+profiling forward runs compiled, so the plan is made for the compiled compute.
 
 A graph compiled without flextensor's hooks would run without them: once Dynamo is loaded (at offload(),
 or at the first forward after a torch.compile call) flextensor turns on Dynamo's guards on module hooks

@@ -75,7 +75,7 @@ class OffloadEngine(PlanStates):
         self.resident_reasons = resident_reasons  # FQN -> why it never streams, incl. found in discovery
         self.owner_of = {id(p): u for u in units for _, p, _ in u.parameters}
         self.bracket = ForwardBracket(model)
-        self.entry_methods = entry_methods  # bracketed like forward (hooks.entry_point)
+        self.entry_methods = entry_methods  # bracketed like forward (hook_functions.entry_point)
         self.before_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's (pipelines.py)
         self.after_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's, on success
         self.held_beside: Callable[[], int] = lambda: 0  # a pipeline's: what its other components hold

@@ -14,8 +14,8 @@ from .errors import ConcurrentForwardError
 __all__ = ["ENTRY_WRAPPER", "ForwardBracket"]
 
 ENTRY_WRAPPER = "entry_point.<locals>.entered"
-"""Qualified name of the wrapper hooks.entry_point puts around an entry method (``vae.decode``): its frames
-count as calls of the model."""
+"""Qualified name of the wrapper hook_functions.entry_point puts around an entry method (``vae.decode``):
+its frames count as calls of the model."""
 
 
 class ForwardBracket:

@@ -6,12 +6,12 @@ are added and removed together. What the unit hooks do is the controller's curre
 (``controller.step``: discovery, profiling, steady or recorded), so changing phase never re-registers a
 hook; only which units carry hooks changes (resident units carry none in steady state).
 
-The bracketing itself (outermost forward, owner thread, interrupted forwards) is forward_bracket.py's.
+The hook functions themselves, and the marks they read on each hooked module, are hook_functions.py's;
+the bracketing itself (outermost forward, owner thread, interrupted forwards) is forward_bracket.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import threading
@@ -21,19 +21,28 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 
 from . import compiled
-from .compiled import written_inputs, written_outputs
 from .errors import ConcurrentForwardError, UnsupportedOperationError
 from .forward_bracket import ForwardBracket
-from .plan_policy import input_signature
+from .hook_functions import (
+    alias_post_hook,
+    alias_pre_hook,
+    entry_point,
+    mark,
+    mark_alias,
+    model_post_hook,
+    model_pre_hook,
+    unit_post_hook,
+    unit_pre_hook,
+    unmark,
+)
 from .units import Unit
 from .weight_access import StreamedWeights
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["Controller", "ModelHooks", "entry_method_names", "entry_point"]
+__all__ = ["Controller", "ModelHooks", "StepDriver", "entry_method_names"]
 
 
 class StepDriver(Protocol):
@@ -78,129 +87,6 @@ class Controller(Protocol):
 
 _GUARDED = ("_apply", "__reduce_ex__", "__deepcopy__")
 """Methods an offloaded model carries on its instance, removed with the hooks."""
-
-_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS, _ALIAS_CALLS = (
-    "_flextensor_hooks",
-    "_flextensor_model_id",
-    "_flextensor_token",
-    "_flextensor_spare",
-    "_flextensor_unit",
-    "_flextensor_weights",
-    "_flextensor_alias",
-    "_flextensor_alias_calls",
-)
-"""Attributes a hooked module carries for the hook functions: its model's hooks object and id, the ops'
-token and spare tensors, (unit modules and their aliases) the unit's index and its parameters' names in
-the module, and (aliases) the alias's path and, per call running, whether it stands for the unit."""
-
-
-def _unmark(module: nn.Module) -> None:
-    for name in (_HOOKS, _MODEL_ID, _TOKEN, _SPARE, _UNIT, _WEIGHTS, _ALIAS, _ALIAS_CALLS):
-        module.__dict__.pop(name, None)
-
-
-# The hook functions: one of each for every model and unit, so that Dynamo, when it inlines them into a
-# compiled forward, sees the same code everywhere (see [Note: compiled hot path] in compiled.py).
-
-
-def unit_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling():  # see [Note: compiled hot path] in compiled.py
-        if getattr(module, _HOOKS).order_by_inputs:
-            written = written_inputs(args, kwargs, getattr(module, _SPARE))
-        else:
-            written = [module.get_parameter(name) for name in getattr(module, _WEIGHTS)]
-        token = getattr(module, _TOKEN)
-        torch.ops.flextensor.unit_pre(written, token, getattr(module, _MODEL_ID), getattr(module, _UNIT))
-        return
-    values = module.__dict__
-    values[_HOOKS].run_unit_pre(values[_UNIT])
-
-
-def alias_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A unit's pre-hook on a module holding some of its weights (see [Note: tied aliases] in
-    discovery.py). Whether the call stands for the unit is decided here and kept for the post-hook, so
-    the unit's pre and post always come in pairs."""
-    if torch.compiler.is_compiling():
-        unit_pre_hook(module, args, kwargs)
-        return
-    values = module.__dict__
-    calls = values.setdefault(_ALIAS_CALLS, [])
-    calls.append(False)  # pushed first: a pre that raises leaves a False for its post (always_call)
-    calls[-1] = values[_HOOKS].run_alias_pre(values[_UNIT], values[_ALIAS])
-
-
-def alias_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    if torch.compiler.is_compiling():
-        return unit_post_hook(module, args, kwargs, output)
-    calls = module.__dict__.get(_ALIAS_CALLS)
-    if not calls or not calls.pop():
-        return None
-    return unit_post_hook(module, args, kwargs, output)
-
-
-def unit_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    if torch.compiler.is_compiling():
-        outputs = written_outputs(output, getattr(module, _SPARE))
-        token = getattr(module, _TOKEN)
-        torch.ops.flextensor.unit_post(outputs, token, getattr(module, _MODEL_ID), getattr(module, _UNIT))
-        return None
-    values = module.__dict__
-    return values[_HOOKS].run_unit_post(values[_UNIT], output)
-
-
-def model_pre_hook(module: nn.Module, args: tuple, kwargs: dict, entry: str | None = None) -> None:
-    if torch.compiler.is_compiling():  # the model is part of a larger compiled module
-        signature = "|".join(step_signature(args, kwargs, entry))
-        torch.ops.flextensor.model_begin(getattr(module, _TOKEN), getattr(module, _MODEL_ID), signature)
-        return
-    hooks = module.__dict__[_HOOKS]
-    if hooks.model_begin(step_signature(args, kwargs, entry)):
-        # Switched off here, in this frame, not in a function it calls: Dynamo restores its callback when
-        # a skipped frame returns (see [Note: compiled hot path] in compiled.py).
-        previous = _set_eval_frame(False)
-        if previous is None or previous is False:
-            _set_eval_frame(previous)  # not inside a compiled call, but its modules may be compiled
-            hooks.stance = compiled.force_eager()
-        else:
-            hooks.eval_frame = previous
-
-
-def model_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
-    if torch.compiler.is_compiling():
-        torch.ops.flextensor.model_end(getattr(module, _TOKEN), getattr(module, _MODEL_ID))
-        return
-    hooks = module.__dict__[_HOOKS]
-    previous = hooks.model_end(output)
-    if previous is not None:
-        _set_eval_frame(previous)
-    if hooks.stance is not None and not hooks._controller.bracket.running:
-        stance, hooks.stance = hooks.stance, None
-        stance.__exit__(None, None, None)
-
-
-def step_signature(args: tuple, kwargs: dict, entry: str | None) -> tuple[str, ...]:
-    """The inputs a step's plan is chosen by; a step entered through another method than forward (a VAE's
-    decode) is a signature of its own, since it runs other modules."""
-    signature = input_signature(args, kwargs)
-    return signature if entry is None else (f"method={entry}", *signature)
-
-
-def entry_point(module: nn.Module, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` (a bound method of the offloaded ``module``) bracketed as a step, as forward is by the
-    module's pre/post hooks: a pipeline calls ``vae.decode()``, never ``vae()``."""
-
-    @functools.wraps(method)
-    def entered(*args: Any, **kwargs: Any) -> Any:  # its name is forward_bracket.ENTRY_WRAPPER
-        model_pre_hook(module, args, kwargs, name)
-        try:
-            output = method(*args, **kwargs)
-        except BaseException:
-            model_post_hook(module, args, None)  # sees the exception in sys.exc_info(): a failed step
-            raise
-        model_post_hook(module, args, output if output is not None else True)
-        return output
-
-    return entered
 
 
 def entry_method_names(model: nn.Module, names: Iterable[str], explicit: bool) -> tuple[str, ...]:
@@ -316,13 +202,13 @@ class ModelHooks:
             live = unit.live_aliases()
             if live != unit.aliases:  # a tied weight left the unit: its holder stands for it no more
                 for _, alias in unit.aliases:
-                    _unmark(alias)
+                    unmark(alias)
                 for handle in self._unit_handles.pop(unit, ()):
                     handle.remove()
                 unit.aliases = live
             for path, alias in unit.aliases:
                 self._mark(alias, unit)
-                alias.__dict__[_ALIAS] = path
+                mark_alias(alias, path)
             if unit not in self._unit_handles:
                 self.units[unit.index] = unit
                 self._unit_handles[unit] = [
@@ -343,13 +229,11 @@ class ModelHooks:
 
     def _mark(self, module: nn.Module, unit: Unit | None) -> None:
         """What the hook functions read from a hooked module (plain attributes, removed with the hooks)."""
-        values = module.__dict__
-        values[_HOOKS], values[_MODEL_ID] = self, self.model_id
-        values[_TOKEN], values[_SPARE] = self.token, self.spare
-        if unit is not None:
-            values[_UNIT] = unit.index
-            names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-            values[_WEIGHTS] = tuple(names[id(p)] for _, p, _ in unit.parameters if id(p) in names)
+        if unit is None:
+            mark(module, self)
+            return
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        mark(module, self, unit.index, tuple(names[id(p)] for _, p, _ in unit.parameters if id(p) in names))
 
     def detach(self) -> None:
         """Remove every hook and guard; safe to call twice."""
@@ -360,15 +244,15 @@ class ModelHooks:
         for handle in self._model_handles:
             handle.remove()
         self._model_handles.clear()
-        _unmark(model)
+        unmark(model)
         for handles in self._unit_handles.values():
             for handle in handles:
                 handle.remove()
         self._unit_handles.clear()
         for unit in self.units.values():  # every unit ever hooked keeps its marks until here
-            _unmark(unit.module)
+            unmark(unit.module)
             for _, alias in unit.aliases:
-                _unmark(alias)
+                unmark(alias)
         compiled.unregister(self.model_id)
 
     # -- the forward (the module-level hook functions below call these) ------------------------------------
