@@ -98,12 +98,18 @@ def test_gguf_weights_stream_bit_for_bit_and_keep_their_quant_type() -> None:
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(x)
+    native_state = model.state_dict()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         flextensor.offload(model, streaming_config(model, ["layers.*"]))
     assert not _subclass_warnings(caught)
     assert "layers.0.weight" in flextensor.offloaded_parameters(model)
     outs = run_forwards(model, x, LEARN + 2)
+    # state_dict() gives what the model's own gives: GGUFParameter with its quant_type, the same bytes
+    for key, value in model.state_dict().items():
+        assert type(value) is type(native_state[key]), key
+        assert getattr(value, "quant_type", None) == getattr(native_state[key], "quant_type", None), key
+        assert torch.equal(value.as_subclass(torch.Tensor), native_state[key].as_subclass(torch.Tensor)), key
     assert flextensor.report(model).units[0].placement == "streamed"
     assert_all_equal(outs, ref)
     flextensor.release(model)

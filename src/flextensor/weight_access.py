@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import UnsupportedOperationError
 from .slots import DeviceStore
-from .tensor_subclasses import check_swappable, set_parameter_value
+from .tensor_subclasses import as_parameter_class, check_swappable, set_parameter_value
 from .units import Unit, parameter_aliases
 from .weight_edits import unguard_parameter
 
@@ -69,7 +69,7 @@ class StreamedWeights:
             if unit.resident or unit.pack is None:
                 continue
             for fqn, param, entry in unit.parameters:
-                kept = unit.pack.standalone_view(entry)
+                kept = as_parameter_class(unit.pack.standalone_view(entry), param)
                 entries += [(prefix + name, kept) for name in names.get(id(param), [fqn])]
         return entries
 

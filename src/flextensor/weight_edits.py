@@ -60,6 +60,7 @@ __all__ = [
     "editing",
     "edits_discarded",
     "guard_parameters",
+    "own_class",
     "refuse_forward_over_edits",
     "unguard_parameter",
 ]
@@ -128,6 +129,11 @@ def guard_parameters(engine: OffloadEngine) -> None:
         for fqn, param, _ in unit.parameters:
             param.__dict__[_GUARD] = (ref, fqn)
             param.__class__ = _guarded_class(type(param))
+
+
+def own_class(cls: type) -> type:
+    """The class a parameter had before :func:`guard_parameters` gave it the guarded subclass ``cls``."""
+    return getattr(cls, "_flextensor_original", cls)
 
 
 def unguard_parameter(param: nn.Parameter) -> None:
