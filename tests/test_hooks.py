@@ -280,6 +280,28 @@ def test_autocast_caches_no_streamed_weight_casts_and_outputs_match_the_cached_n
     assert seen[-1] and torch.is_autocast_cache_enabled()
 
 
+def test_a_forward_interrupted_under_autocast_leaves_a_later_regions_cache_setting_alone() -> None:
+    """The interrupted forward's autocast region restored its own cache setting on the way out: closing
+    that forward later must not turn the cache on inside a region opened with ``cache_enabled=False``."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    model = Stack(layers=4, width=64)
+    flextensor.offload(model, streaming_config(model, ["layers.*"]))
+    run_forwards(model, x, LEARN)
+
+    def ctrl_c(module: nn.Module, args: tuple) -> None:
+        raise KeyboardInterrupt
+
+    handle = model.layers[1].register_forward_pre_hook(ctrl_c)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(KeyboardInterrupt):
+        model(x)
+    handle.remove()
+    assert flextensor.status(model).forward_running and torch.is_autocast_cache_enabled()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        model(x)
+        assert not torch.is_autocast_cache_enabled()
+    assert torch.is_autocast_cache_enabled()
+
+
 def test_calling_forward_directly_warns_once_and_outputs_stay_right(caplog: pytest.LogCaptureFixture) -> None:
     """``model.forward(x)`` skips the model's hooks: every unit runs as if called by hand, loaded when it
     runs and learning nothing. Said once; one block called by hand is not that."""

@@ -11,6 +11,9 @@ off (two calls per forward) when autocast is on for the device, and turns it bac
 not change: a cast gives the same bits whether cached or not. Resident float32 weights then cast again
 at each use instead of once per region, which costs a memory-bound copy of their bytes per forward.
 Compiled graphs are not affected: the compiler turns autocast into explicit casts, with no cache.
+A forward stopped without its end (Ctrl-C) left its autocast region through the region's own exit, which
+restored the setting: the pause is then forgotten, not undone (:meth:`AutocastCachePause.forget`), so a
+later region opened with ``cache_enabled=False`` keeps it off.
 """
 
 from __future__ import annotations
@@ -36,3 +39,8 @@ class AutocastCachePause:
         if self.paused:
             self.paused = False
             torch.set_autocast_cache_enabled(True)
+
+    def forget(self) -> None:
+        """The forward that paused the cache was interrupted: whatever autocast region it ran in has
+        restored its own setting on the way out (see the note)."""
+        self.paused = False

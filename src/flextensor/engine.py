@@ -368,6 +368,7 @@ class OffloadEngine(PlanStates):
         hooks (KeyboardInterrupt, SystemExit). Close it as failed, so this forward starts clean."""
         logger.warning("the previous forward was interrupted; closing it before this one runs")
         self.runtime.synchronize()  # its kernels and copies may still be queued behind stale events
+        self._autocast_cache.forget()
         self.end_forward(KeyboardInterrupt)
 
     def record_next_step(self) -> None:
