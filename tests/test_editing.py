@@ -54,7 +54,7 @@ def peft_merge_sequence(model: torch.nn.Module, offloaded: bool) -> list[torch.T
     with editing_if(offloaded, model):
         peft_model.merge_adapter()
     outs.append(run_forwards(peft_model, x, 3)[-1])
-    with editing_if(offloaded, model):
+    with editing_if(offloaded, peft_model):  # the PeftModel wrapper stands for the model it wraps
         peft_model.unmerge_adapter()
     peft_model.set_adapter("first")
     outs.append(run_forwards(peft_model, x, 3)[-1])
@@ -267,3 +267,67 @@ def test_state_dict_inside_editing_holds_the_edits_made_so_far() -> None:
         assert torch.equal(model.state_dict()[name], weight)
         edited = weight.clone()
     assert torch.equal(model.state_dict()[name], edited)
+
+
+def _lora_state(model: torch.nn.Module, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for name in names:
+        linear = model.get_submodule(name)
+        state[f"{name}.lora_A.weight"] = torch.randn(4, linear.in_features, generator=generator) * 0.1
+        state[f"{name}.lora_B.weight"] = torch.randn(linear.out_features, 4, generator=generator) * 0.1
+    return state
+
+
+@torch.no_grad()
+def test_a_refused_fuse_lora_leaves_every_layer_as_it_was_the_resident_ones_too() -> None:
+    """A LoRA on a weight outside every unit (an embedder, kept on the device) and on a streamed one:
+    fuse_lora outside editing() is refused before it scales or merges anything (found by review: the
+    embedder was fused and the scale changed before the streamed weight refused, silently)."""
+    x = wan_inputs()
+    targets = ("condition_embedder.text_embedder.linear_1", "blocks.0.ffn.net.2")
+    native, model = tiny_wan(layers=2), tiny_wan(layers=2)
+    flextensor.offload(model, streaming_config(model, include=["blocks.*"]))
+    run_forwards(model, x, LEARN)
+    for m in (native, model):
+        m.load_lora_adapter(_lora_state(m, targets), adapter_name="a", prefix=None)
+    with pytest.raises(flextensor.UnsupportedOperationError, match=r"fuse_lora\(\).*nothing was changed"):
+        model.fuse_lora(lora_scale=0.5)
+    assert not [n for n, m in model.named_modules() if getattr(m, "merged_adapters", None)]
+    assert torch.equal(run_forwards(model, x, 1)[0], run_forwards(native, x, 1)[0])
+    with flextensor.editing(model):
+        model.fuse_lora(lora_scale=0.5)
+    native.fuse_lora(lora_scale=0.5)
+    expected = run_forwards(native, x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 2))
+
+
+def test_dora_on_an_offloaded_model_with_a_resident_layer_is_refused_with_nothing_injected() -> None:
+    """DoRA reads each weight's .data as it wraps the layer: the first, in a layer kept on the device,
+    refuses before any layer is replaced."""
+    x = llama_inputs()
+    model = tiny_llama(layers=3, tie=False)
+    flextensor.offload(model, streaming_config(model, exclude=["model.layers.0"]))
+    expected = run_forwards(model, x, LEARN + 1)[-1]
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True, init_lora_weights=False)
+    with pytest.raises(flextensor.UnsupportedOperationError, match="half-edited"):
+        peft.get_peft_model(model, config)
+    assert not [n for n, m in model.named_modules() if type(m).__module__.startswith("peft")]
+    assert torch.equal(run_forwards(model, x, 1)[0], expected)
+
+
+def test_data_of_a_weight_outside_every_unit_is_guarded_between_forwards_only() -> None:
+    model = tiny_llama(layers=3, tie=False)
+    flextensor.offload(model, streaming_config(model, exclude=["model.layers.0"]))
+    run_forwards(model, llama_inputs(), LEARN)
+    norm = model.model.layers[0].input_layernorm.weight  # outside every unit: its bytes are its own
+    before = norm.detach().clone()  # reading the parameter itself is allowed
+    with pytest.raises(
+        flextensor.UnsupportedOperationError, match=r"input_layernorm\.weight\.data .*half-edited"
+    ):
+        norm.data.mul_(2)
+    assert torch.equal(norm, before)
+    with flextensor.editing(model):
+        norm.data.mul_(2)
+    flextensor.release(model)
+    assert type(norm) is torch.nn.Parameter and torch.equal(norm.data, before * 2)

@@ -44,7 +44,13 @@ from .steady import (
 from .timeline import StepRecorder
 from .units import Placement, Unit
 from .weight_access import StreamedWeights
-from .weight_edits import EditSession, WeightWatch, guard_parameters, refuse_forward_over_edits
+from .weight_edits import (
+    EditSession,
+    WeightWatch,
+    guard_parameters,
+    refuse_forward_over_edits,
+    unguard_parameter,
+)
 
 logger = logging.getLogger("flextensor")
 
@@ -119,6 +125,7 @@ class OffloadEngine(PlanStates):
         self.watch = WeightWatch()  # in-place writes into streamed weights between forwards
         self._rearm_watch = False  # weights left the stream during this forward
         self.editing: EditSession | None = None  # flextensor.editing(model) is open
+        self._guarded_outside: list[nn.Parameter] = []  # parameters outside every unit, .data guarded
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -126,7 +133,7 @@ class OffloadEngine(PlanStates):
         """Lay every unit out for discovery and hook the model (``offload()`` calls this once)."""
         self._lay_out_to_discover()
         self.hooks.attach()
-        guard_parameters(self)
+        self._guarded_outside = guard_parameters(self)
         self._enter(Phase.DISCOVERY)
 
     def _lay_out_to_discover(self) -> None:
@@ -294,14 +301,15 @@ class OffloadEngine(PlanStates):
 
     def end_forward(self, error: type[BaseException] | None) -> None:
         """Close the outermost forward: ``error`` is the type of what it raised, if it did."""
+        # Compiled unit ops bumped the counters of the weights they order by: no edit, and a new plan
+        # made while closing the forward must not take them for one (see WeightWatch).
+        self.watch.refresh()
         try:
             self._end_forward(error)
         finally:
             if self._rearm_watch:
                 self._rearm_watch = False
-                self.watch.arm(self.units.values())
-            else:
-                self.watch.refresh()  # compiled unit ops bump the counters of the weights they order by
+                self.watch.arm(self.units.values(), accept=True)  # the forward's own counter bumps
         if error is None and self.after_step is not None and not self.graphs.capturing():
             self.after_step(self)  # a pipeline lays its next component out ahead (pipelines.py)
 
@@ -447,7 +455,7 @@ class OffloadEngine(PlanStates):
 
     def accept_weight_versions(self) -> None:
         """Take the streamed weights' version counters as they are now as unedited."""
-        self.watch.arm(self.units.values())
+        self.watch.arm(self.units.values(), accept=True)
 
     def after_edit(self, added: dict[str, str]) -> None:
         """flextensor.editing() wrote the edited weights back to the packs: every arena range must reload,
@@ -457,7 +465,7 @@ class OffloadEngine(PlanStates):
             logger.info("keeping %s resident: %s", fqn, reason)
         self.store.forget_contents()
         self.hooks.hook_units(self.hooks.hooked_units)  # re-mark: parameter names may have changed
-        self.watch.arm(self.units.values())
+        self.watch.arm(self.units.values(), accept=True)
 
     def vacate(self) -> int:
         """Give back the device bytes held for units while another component of a pipeline runs; the
@@ -490,8 +498,11 @@ class OffloadEngine(PlanStates):
         self.store.free_everything()
 
     def unguard_parameters(self) -> None:
-        """Give every unit parameter its own class back (release, or a failed offload)."""
+        """Give every guarded parameter its own class back (release, or a failed offload)."""
         self.weights.unguard()
+        for param in self._guarded_outside:
+            unguard_parameter(param)
+        self._guarded_outside = []
 
     # -- introspection ------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ the bracketing itself (outermost forward, owner thread, interrupted forwards) is
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -87,6 +88,11 @@ class Controller(Protocol):
 
 _GUARDED = ("_apply", "__reduce_ex__", "__deepcopy__")
 """Methods an offloaded model carries on its instance, removed with the hooks."""
+
+EDIT_METHODS = ("fuse_lora", "unfuse_lora")
+"""Methods (diffusers' models) that write into weights and change other state first: ``fuse_lora`` scales
+each LoRA layer before it merges it, so a merge refused at a streamed weight's ``.data`` would leave the
+scale changed. Outside flextensor.editing() they are refused on entry, before anything changes."""
 
 
 def entry_method_names(model: nn.Module, names: Iterable[str], explicit: bool) -> tuple[str, ...]:
@@ -187,6 +193,9 @@ class ModelHooks:
         model.__deepcopy__ = _refuse_copy  # type: ignore[attr-defined]
         for name in self._controller.entry_methods:
             model.__dict__[name] = entry_point(model, name, getattr(model, name))
+        for name in EDIT_METHODS:
+            if callable(getattr(type(model), name, None)):
+                model.__dict__[name] = self._edit_method(name, getattr(model, name))
 
     def hook_units(self, wanted: Iterable[Unit]) -> None:
         """Hook exactly the ``wanted`` units (plan time only): add missing pairs, remove the others."""
@@ -239,7 +248,7 @@ class ModelHooks:
         """Remove every hook and guard; safe to call twice."""
         controller = self._controller
         model = controller.model
-        for name in (*_GUARDED, *controller.entry_methods):
+        for name in (*_GUARDED, *controller.entry_methods, *EDIT_METHODS):
             model.__dict__.pop(name, None)
         for handle in self._model_handles:
             handle.remove()
@@ -402,6 +411,21 @@ class ModelHooks:
         for key, tensor in self._controller.weights.state_dict_entries(prefix):
             if key in state_dict:
                 state_dict[key] = tensor
+
+    def _edit_method(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` (one of EDIT_METHODS), run only inside flextensor.editing(model)."""
+
+        @functools.wraps(method)
+        def edit(*args: Any, **kwargs: Any) -> Any:
+            if self._controller.editing is None:
+                raise UnsupportedOperationError(
+                    f"{type(self._controller.model).__name__}.{name}() writes into offloaded weights: run it "
+                    f"inside `with flextensor.editing(model): ...` (a pipeline: editing(pipe)); nothing "
+                    "was changed"
+                )
+            return method(*args, **kwargs)
+
+        return edit
 
     def _guarded_apply(
         self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any

@@ -12,8 +12,8 @@ names them), and moving one to the device swaps the whole tensor (``torch.utils.
 references. Parameter subclasses over a storage of their own (diffusers' ``GGUFParameter``, whose
 ``quant_type`` stays on the parameter object; bitsandbytes' ``Params4bit`` and ``Int8Params``, whose
 scales stay on it too) are not wrapper subclasses, and they stream; their ``state_dict()`` entries are
-their kept host copies presented as the same class, attributes included (:func:`as_parameter_class`), as
-the model's own ``state_dict()`` gives them.
+their kept host copies presented as the same class, attributes included (weight_access.py), as the
+model's own ``state_dict()`` gives them.
 """
 
 from __future__ import annotations
@@ -25,15 +25,8 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import UnsupportedModelError, UnsupportedOperationError
-from .weight_edits import own_class
 
-__all__ = [
-    "as_parameter_class",
-    "check_swappable",
-    "is_wrapper_subclass",
-    "refuse_subclass_checkpoint",
-    "set_parameter_value",
-]
+__all__ = ["check_swappable", "is_wrapper_subclass", "refuse_subclass_checkpoint", "set_parameter_value"]
 
 
 def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
@@ -62,24 +55,6 @@ def set_parameter_value(param: nn.Parameter, value: torch.Tensor, name: str = "a
             f"cannot move {name}, a {type(param).__name__} (a tensor subclass), to {value.device}: {error}; "
             f"move it there before offload() (e.g. the module that holds it), or exclude it from offloading"
         ) from error
-
-
-def as_parameter_class(tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """``tensor`` (a streamed parameter's host copy) as the model's own ``state_dict()`` would give it:
-    of the class and with the attributes of ``param.detach()`` (a ``GGUFParameter`` with its
-    ``quant_type``; a plain tensor for ``nn.Parameter`` and subclasses that keep its disabled torch
-    function), so a state dict saved from an offloaded model reloads as one saved without offloading."""
-    if type(param) is nn.Parameter:
-        return tensor
-    template = param.detach()  # only its class and attributes are read: no bytes are copied
-    cls = own_class(type(template))  # the class the user's parameter had, not the guarded one
-    if cls is torch.Tensor:
-        return tensor
-    presented = tensor.as_subclass(cls)
-    presented.__dict__.update(
-        (key, value) for key, value in template.__dict__.items() if not key.startswith("_flextensor")
-    )
-    return presented
 
 
 def check_swappable(param: nn.Parameter) -> None:

@@ -22,9 +22,9 @@ from torch import nn
 
 from .errors import UnsupportedOperationError
 from .slots import DeviceStore
-from .tensor_subclasses import as_parameter_class, check_swappable, set_parameter_value
+from .tensor_subclasses import check_swappable, set_parameter_value
 from .units import Unit, parameter_aliases
-from .weight_edits import unguard_parameter
+from .weight_edits import own_class, unguard_parameter
 
 logger = logging.getLogger("flextensor")
 
@@ -69,7 +69,7 @@ class StreamedWeights:
             if unit.resident or unit.pack is None:
                 continue
             for fqn, param, entry in unit.parameters:
-                kept = as_parameter_class(unit.pack.standalone_view(entry), param)
+                kept = _as_parameter_class(unit.pack.standalone_view(entry), param)
                 entries += [(prefix + name, kept) for name in names.get(id(param), [fqn])]
         return entries
 
@@ -180,3 +180,21 @@ class StreamedWeights:
         for unit in self.units.values():
             for _, param, _ in unit.parameters:
                 unguard_parameter(param)
+
+
+def _as_parameter_class(tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """``tensor`` (a streamed parameter's host copy) as the model's own ``state_dict()`` would give it:
+    of the class and with the attributes of ``param.detach()`` (a ``GGUFParameter`` with its
+    ``quant_type``; a plain tensor for ``nn.Parameter`` and subclasses that keep its disabled torch
+    function), so a state dict saved from an offloaded model reloads as one saved without offloading."""
+    if type(param) is nn.Parameter:
+        return tensor
+    template = param.detach()  # only its class and attributes are read: no bytes are copied
+    cls = own_class(type(template))  # the class the user's parameter had, not the guarded one
+    if cls is torch.Tensor:
+        return tensor
+    presented = tensor.as_subclass(cls)
+    presented.__dict__.update(
+        (key, value) for key, value in template.__dict__.items() if not key.startswith("_flextensor")
+    )
+    return presented

@@ -16,12 +16,18 @@ An edit made without the context through ``.data`` (``p.data.mul_()``, ``p.data 
 diffusers merge) is refused at once, before it writes anything: every unit parameter's class is swapped
 for a subclass whose ``data`` property raises outside a forward and outside the context (a ``.data`` read
 there could return another unit's bytes as well). Neither PyTorch's kernels nor the hot path touch
-``.data``, so this costs nothing per forward; flextensor's own plan-time code goes through.
+``.data``, so this costs nothing per forward; flextensor's own plan-time code goes through. The model's
+other parameters (outside every unit, their bytes their own) are guarded the same way: a merge walks the
+layers in turn, and one that merged a layer kept on the device before a streamed weight refused would
+leave the model half-merged, silently. diffusers' ``fuse_lora`` scales each layer before it merges it,
+so it is refused on entry (hooks.EDIT_METHODS).
 
 An edit made without the context is caught before the next forward computes anything when it went
 through the parameter itself (``p.mul_()``, ``p.copy_()``, ``nn.init``): it bumps the parameter's version
 counter, and :class:`WeightWatch` compares the sum of the streamed parameters' counters with the sum
-when the layout was made (one C-level sum per forward, no Python loop). Such an edit cannot be kept (its
+when the layout was made (one C-level sum per forward, no Python loop); a pipeline's component held on
+the host between its phases (empty placeholders) is watched too, and an edit seen when a layout or a
+vacate arms the watch again stays pending for the next forward. Such an edit cannot be kept (its
 bytes may have landed in another unit's weights): the edited units' arena ranges are forgotten, so they
 reload their packs, and the forward raises :class:`~flextensor.errors.UnsupportedOperationError`.
 flextensor's own compiled unit ops declare the weights written (see [Note: compiled hot path] in
@@ -46,6 +52,7 @@ from torch import nn
 
 from .errors import NotOffloadedError, UnsupportedOperationError
 from .host_store import UnitPack
+from .tensor_subclasses import is_wrapper_subclass
 from .units import Placement, Unit, parameter_aliases
 
 if TYPE_CHECKING:
@@ -80,6 +87,14 @@ def _check_data_access(param: nn.Parameter, what: str) -> None:
         return
     if sys._getframe(2).f_globals.get("__name__", "").startswith("flextensor."):
         return  # flextensor's own plan-time code: it knows where the weights are
+    if len(guard) > 2:  # a weight outside every unit: its bytes are its own, but see the note
+        raise UnsupportedOperationError(
+            f"{what} {guard[1]}.data of an offloaded model between forwards: an edit that goes on to "
+            "streamed weights (peft merge_adapter, diffusers fuse_lora, weight.data changes) would be "
+            "refused there, after changing this one, and leave the model half-edited. Make such edits "
+            "inside `with flextensor.editing(model): ...`; read weights from model.state_dict() or the "
+            "parameter itself"
+        )
     raise UnsupportedOperationError(
         f"{what} {guard[1]}.data of an offloaded model between forwards: the weight views a device range "
         "that other units' weights overwrite, so it may hold another unit's bytes and a write there would "
@@ -122,13 +137,26 @@ def _guarded_class(cls: type) -> type:
     return made
 
 
-def guard_parameters(engine: OffloadEngine) -> None:
-    """Guard ``.data`` of every unit parameter (see [Note: editing streamed weights]); plan time."""
+def guard_parameters(engine: OffloadEngine) -> list[nn.Parameter]:
+    """Guard ``.data`` of every parameter of the model (see [Note: editing streamed weights]); plan time.
+    Returns the guarded parameters outside every unit (the caller unguards them at release); a wrapper
+    subclass (see tensor_subclasses.py) keeps its class, and a parameter another model guards is left to
+    it."""
     ref = weakref.ref(engine)
+    in_units = set()
     for unit in engine.units.values():
         for fqn, param, _ in unit.parameters:
             param.__dict__[_GUARD] = (ref, fqn)
             param.__class__ = _guarded_class(type(param))
+            in_units.add(id(param))
+    outside = []
+    for fqn, param in engine.model.named_parameters():
+        if id(param) in in_units or _GUARD in param.__dict__ or is_wrapper_subclass(param):
+            continue
+        param.__dict__[_GUARD] = (ref, fqn, "outside")
+        param.__class__ = _guarded_class(type(param))
+        outside.append(param)
+    return outside
 
 
 def own_class(cls: type) -> type:
@@ -152,21 +180,34 @@ def _versions_of(params: tuple[nn.Parameter, ...]) -> tuple[int, ...]:
 
 
 class WeightWatch:
-    """Notices in-place writes through streamed parameters between forwards (see [Note: editing streamed
+    """Notices in-place writes through unit parameters between forwards (see [Note: editing streamed
     weights]). :meth:`arm` at plan time; :meth:`edited` at a forward's start, :meth:`refresh` at its end
-    (compiled unit ops bump the counters too): each one pass over the counters in C, no Python loop."""
+    (compiled unit ops bump the counters too): each one pass over the counters in C, no Python loop.
+
+    Watched: the parameters of streamed units (they view arena ranges other units overwrite) and of units
+    held only on the host (a pipeline's component between its phases: its parameters are empty
+    placeholders, and the next layout fills them from the packs). Arming again at plan time (a new
+    layout, a component vacated for another one) keeps what was edited since the last arming as pending
+    (:attr:`pending`), so the next forward still refuses it; only callers that know the new counters are
+    no edit (the end of a forward, edits written back by flextensor.editing) pass ``accept=True``."""
 
     def __init__(self) -> None:
         self._params: tuple[nn.Parameter, ...] = ()
         self._owners: tuple[Unit, ...] = ()  # the unit of each watched parameter
         self._versions: tuple[int, ...] = ()
         self._total = 0
+        self.pending: list[Unit] = []  # units edited before the last arming, not yet refused
 
-    def arm(self, units: Iterable[Unit]) -> None:
-        """Watch the parameters of the units streamed now, from their present versions (plan time)."""
-        streamed = [u for u in units if u.placement is Placement.STREAMED]
-        self._params = tuple(p for u in streamed for _, p, _ in u.parameters)
-        self._owners = tuple(u for u in streamed for _ in u.parameters)
+    def arm(self, units: Iterable[Unit], accept: bool = False) -> None:
+        """Watch the parameters of the units streamed or held on the host now, from their present
+        versions (plan time); edits since the last arming stay pending unless ``accept``."""
+        if accept:
+            self.pending = []
+        else:
+            self.pending = list(dict.fromkeys([*self.pending, *self._changed()]))
+        watched = [u for u in units if u.placement in (Placement.STREAMED, Placement.HOST)]
+        self._params = tuple(p for u in watched for _, p, _ in u.parameters)
+        self._owners = tuple(u for u in watched for _ in u.parameters)
         self.refresh()
 
     def refresh(self) -> None:
@@ -175,8 +216,13 @@ class WeightWatch:
         self._total = sum(self._versions)
 
     def edited(self) -> list[Unit]:
-        """The streamed units whose parameters were written in place since :meth:`refresh`; usually none,
-        found with one sum (counters only grow, so an equal sum means nothing changed)."""
+        """The units whose parameters were written in place since :meth:`refresh`, and those pending from
+        before the last arming; usually none, found with one sum (counters only grow, so an equal sum
+        means nothing changed)."""
+        changed = self._changed()
+        return list(dict.fromkeys([*self.pending, *changed])) if self.pending else changed
+
+    def _changed(self) -> list[Unit]:
         now = _versions_of(self._params)
         if sum(now) == self._total:
             return []
@@ -194,7 +240,7 @@ def refuse_forward_over_edits(engine: OffloadEngine) -> None:
         )
     edited = engine.watch.edited()
     if edited:
-        engine.watch.arm(engine.units.values())
+        engine.watch.arm(engine.units.values(), accept=True)
         raise edits_discarded(engine.store, edited)
 
 
@@ -203,14 +249,15 @@ def edits_discarded(store: DeviceStore, edited: list[Unit]) -> UnsupportedOperat
     another unit's. Forget what their arena ranges hold, so every unit there reloads its pack; the error
     refuses the forward before it computes."""
     for unit in edited:
-        for cell in unit.cells:
+        for cell in unit.cells:  # none for a unit held on the host: its next layout loads it anyway
             store.owner[cell] = None
     names = ", ".join(repr(u.name) for u in edited[:5]) + (", ..." if len(edited) > 5 else "")
     return UnsupportedOperationError(
         f"the weights of offload unit(s) {names} were changed in place outside flextensor.editing(model) "
         "(e.g. weight.mul_(), copy_(), an init function): a streamed weight views a device range that "
-        "other units' weights overwrite, so the edit was discarded and those units reload their weights "
-        "from host memory. Make the edit inside `with flextensor.editing(model): ...`, then run the model"
+        "other units' weights overwrite (and a pipeline component's weights are not on the device at all "
+        "between its phases), so the edit was discarded and those units reload their weights from host "
+        "memory. Make the edit inside `with flextensor.editing(model): ...`, then run the model"
     )
 
 
@@ -230,7 +277,10 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
     from .pipelines import components_of
 
     components = components_of(model)
-    modules = list(components.values()) if components is not None else [model]
+    target = model
+    if components is None and callable(getattr(model, "get_base_model", None)):
+        target = model.get_base_model()  # a peft PeftModel wraps the offloaded model
+    modules = list(components.values()) if components is not None else [target]
     engines = []
     for module in modules:
         try:
@@ -353,8 +403,11 @@ class EditSession:
         if refused:
             raise UnsupportedOperationError(
                 f"an edit changed the shape or dtype of offloaded weights, which their host packs cannot "
-                f"hold: {', '.join(refused)}; those edits were discarded. Call flextensor.release(model), "
-                "change them, then offload again"
+                f"hold: {', '.join(refused)}; those weights were put back as they were, but nothing else "
+                "the edit changed was undone (modules it replaced, the model's config: e.g. "
+                "resize_token_embeddings resizes the output layer and the config too), so the model may "
+                "no longer be consistent. Load it again (or call flextensor.release(model) and undo the "
+                "rest by hand), make the change before offload(), then offload"
             )
 
     def _rename(self, unit: Unit, names: dict[int, list[str]]) -> None:
@@ -371,7 +424,7 @@ class EditSession:
                 unguard_parameter(param)
                 continue
             kept.append((name, param, entry))
-            param.__dict__[_GUARD] = (param.__dict__[_GUARD][0], name)
+            param.__dict__[_GUARD] = (param.__dict__[_GUARD][0], name)  # a unit's: its 2-tuple form
         unit.parameters[:] = kept
 
     def _write_back(self, unit: Unit, entry: object, value: torch.Tensor) -> None:

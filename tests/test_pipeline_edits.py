@@ -1,0 +1,52 @@
+"""Weight edits on an offloaded pipeline's components between generations: a component's weights are
+streamed, or not on the device at all while another component runs (see [Note: editing streamed
+weights]); an in-place edit outside flextensor.editing() is refused at that component's next forward,
+never silently dropped by the layouts in between, and an edit inside it is kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flextensor
+from flextensor.errors import UnsupportedOperationError
+
+pytest.importorskip("diffusers")
+from real_models import run_wan_pipeline, tiny_wan_pipeline
+from test_pipelines import offloaded_pipeline, run_until_steady
+
+
+def _edited_weights(pipe) -> list[torch.Tensor]:
+    """A weight of the VAE (streamed under the tightest budget, laid out: it ran last) and one of the
+    second transformer (resident in its plan, but vacated when the VAE took the memory)."""
+    return [
+        pipe.vae.decoder.up_blocks[0].resnets[0].conv1.weight,
+        pipe.transformer_2.blocks[0].ffn.net[2].weight,
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.Tensor:
+    with torch.no_grad():
+        return run_wan_pipeline(tiny_wan_pipeline())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("which", [0, 1], ids=["streamed_vae", "vacated_transformer_2"])
+def test_an_edit_between_generations_is_refused_outside_editing_and_kept_inside(
+    which: int, reference
+) -> None:
+    pipe, native = offloaded_pipeline(), tiny_wan_pipeline()
+    run_until_steady(pipe)
+    _edited_weights(pipe)[which].mul_(2)  # the components laid out and vacated in between must not lose it
+    with pytest.raises(UnsupportedOperationError, match="changed in place outside"):
+        run_wan_pipeline(pipe)
+    assert torch.equal(run_wan_pipeline(pipe), reference)  # the edit was dropped, and said so
+    component = pipe.vae if which == 0 else pipe.transformer_2
+    with flextensor.editing(component):
+        _edited_weights(pipe)[which].mul_(2)
+    _edited_weights(native)[which].mul_(2)
+    expected = run_wan_pipeline(native)
+    assert not torch.equal(expected, reference)
+    for _ in range(2):
+        assert torch.equal(run_wan_pipeline(pipe), expected)
