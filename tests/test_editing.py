@@ -7,6 +7,9 @@ budget (every unit streams), so an edit that lands in another unit's weights or 
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 
@@ -302,32 +305,45 @@ def test_a_refused_fuse_lora_leaves_every_layer_as_it_was_the_resident_ones_too(
     assert all(torch.equal(out, expected) for out in run_forwards(model, x, 2))
 
 
-def test_dora_on_an_offloaded_model_with_a_resident_layer_is_refused_with_nothing_injected() -> None:
-    """DoRA reads each weight's .data as it wraps the layer: the first, in a layer kept on the device,
-    refuses before any layer is replaced."""
+def test_a_merge_refused_halfway_refuses_forwards_until_it_is_made_whole_in_editing() -> None:
+    """peft merges layer by layer: a layer kept on the device (its .data is its own) merges, then the
+    first streamed one refuses. The model is half-merged, so forwards refuse until the merge is redone
+    inside editing(), where peft skips the layer already merged."""
     x = llama_inputs()
-    model = tiny_llama(layers=3, tie=False)
+    native, model = tiny_llama(layers=3, tie=False), tiny_llama(layers=3, tie=False)
     flextensor.offload(model, streaming_config(model, exclude=["model.layers.0"]))
-    expected = run_forwards(model, x, LEARN + 1)[-1]
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True, init_lora_weights=False)
-    with pytest.raises(flextensor.UnsupportedOperationError, match="half-edited"):
-        peft.get_peft_model(model, config)
-    assert not [n for n, m in model.named_modules() if type(m).__module__.startswith("peft")]
-    assert torch.equal(run_forwards(model, x, 1)[0], expected)
+    run_forwards(model, x, LEARN)
+    peft_models = []
+    for m in (native, model):
+        torch.manual_seed(5)
+        peft_models.append(peft.get_peft_model(m, lora_config()))
+    with pytest.raises(flextensor.UnsupportedOperationError, match=r"layers\.0\..*half-edited"):
+        peft_models[1].merge_adapter()
+    with pytest.raises(flextensor.UnsupportedOperationError, match="a forward after a refused edit"):
+        run_forwards(peft_models[1], x, 1)
+    with flextensor.editing(peft_models[1]):
+        peft_models[1].merge_adapter()
+    peft_models[0].merge_adapter()
+    expected = run_forwards(peft_models[0], x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(peft_models[1], x, 2))
 
 
-def test_data_of_a_weight_outside_every_unit_is_guarded_between_forwards_only() -> None:
+def test_data_of_a_weight_outside_every_unit_stays_readable_and_writable_between_forwards() -> None:
+    """Its bytes are its own: reads (deepcopy, torch.save, peft's modules_to_save) and edits work."""
     model = tiny_llama(layers=3, tie=False)
     flextensor.offload(model, streaming_config(model, exclude=["model.layers.0"]))
-    run_forwards(model, llama_inputs(), LEARN)
-    norm = model.model.layers[0].input_layernorm.weight  # outside every unit: its bytes are its own
-    before = norm.detach().clone()  # reading the parameter itself is allowed
-    with pytest.raises(
-        flextensor.UnsupportedOperationError, match=r"input_layernorm\.weight\.data .*half-edited"
-    ):
-        norm.data.mul_(2)
-    assert torch.equal(norm, before)
-    with flextensor.editing(model):
-        norm.data.mul_(2)
+    x = llama_inputs()
+    run_forwards(model, x, LEARN)
+    layer = model.model.layers[0].input_layernorm
+    before = layer.weight.detach().clone()
+    assert torch.equal(copy.deepcopy(layer).weight, before)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)  # pickles the parameter: flextensor's guard is not part of it
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False).weight, before)
+    layer.weight.data.mul_(2)
+    native = tiny_llama(layers=3, tie=False)
+    native.model.layers[0].input_layernorm.weight.data.mul_(2)
+    assert torch.equal(run_forwards(model, x, 1)[0], run_forwards(native, x, 1)[0])
     flextensor.release(model)
-    assert type(norm) is torch.nn.Parameter and torch.equal(norm.data, before * 2)
+    assert type(layer.weight) is torch.nn.Parameter and torch.equal(layer.weight.data, before * 2)

@@ -46,6 +46,7 @@ from .units import Placement, Unit
 from .weight_access import StreamedWeights
 from .weight_edits import (
     EditSession,
+    OutsideEdits,
     WeightWatch,
     guard_parameters,
     refuse_forward_over_edits,
@@ -125,7 +126,8 @@ class OffloadEngine(PlanStates):
         self.watch = WeightWatch()  # in-place writes into streamed weights between forwards
         self._rearm_watch = False  # weights left the stream during this forward
         self.editing: EditSession | None = None  # flextensor.editing(model) is open
-        self._guarded_outside: list[nn.Parameter] = []  # parameters outside every unit, .data guarded
+        self._guarded_outside: list[nn.Parameter] = []  # parameters outside every unit, .data watched
+        self.outside_edits = OutsideEdits()  # their .data accesses between forwards (weight_edits.py)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 

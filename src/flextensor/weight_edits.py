@@ -17,10 +17,12 @@ diffusers merge) is refused at once, before it writes anything: every unit param
 for a subclass whose ``data`` property raises outside a forward and outside the context (a ``.data`` read
 there could return another unit's bytes as well). Neither PyTorch's kernels nor the hot path touch
 ``.data``, so this costs nothing per forward; flextensor's own plan-time code goes through. The model's
-other parameters (outside every unit, their bytes their own) are guarded the same way: a merge walks the
-layers in turn, and one that merged a layer kept on the device before a streamed weight refused would
-leave the model half-merged, silently. diffusers' ``fuse_lora`` scales each layer before it merges it,
-so it is refused on entry (hooks.EDIT_METHODS).
+other parameters (outside every unit, their bytes their own) get the same class, but their ``.data`` is
+only noted (:class:`OutsideEdits`; reading it is legitimate: deepcopy, torch.save, peft's
+``modules_to_save``): a merge walks the layers in turn, and one that merged a layer kept on the device
+before a streamed weight refused would leave the model half-merged, so after such a refusal the model
+refuses to run until the edit is made whole inside the context. diffusers' ``fuse_lora`` scales each
+layer before it merges it, so it is refused on entry (hooks.EDIT_METHODS).
 
 An edit made without the context is caught before the next forward computes anything when it went
 through the parameter itself (``p.mul_()``, ``p.copy_()``, ``nn.init``): it bumps the parameter's version
@@ -63,6 +65,7 @@ logger = logging.getLogger("flextensor")
 
 __all__ = [
     "EditSession",
+    "OutsideEdits",
     "WeightWatch",
     "editing",
     "edits_discarded",
@@ -87,21 +90,39 @@ def _check_data_access(param: nn.Parameter, what: str) -> None:
         return
     if sys._getframe(2).f_globals.get("__name__", "").startswith("flextensor."):
         return  # flextensor's own plan-time code: it knows where the weights are
-    if len(guard) > 2:  # a weight outside every unit: its bytes are its own, but see the note
-        raise UnsupportedOperationError(
-            f"{what} {guard[1]}.data of an offloaded model between forwards: an edit that goes on to "
-            "streamed weights (peft merge_adapter, diffusers fuse_lora, weight.data changes) would be "
-            "refused there, after changing this one, and leave the model half-edited. Make such edits "
-            "inside `with flextensor.editing(model): ...`; read weights from model.state_dict() or the "
-            "parameter itself"
-        )
+    edits = engine.outside_edits
+    if len(guard) > 2:  # a weight outside every unit: its bytes are its own; noted (see the note)
+        edits.touched.add(guard[1])
+        return
+    if edits.touched:  # an edit going through the layers in turn may have changed those already
+        edits.unsettled = sorted(edits.touched)
     raise UnsupportedOperationError(
         f"{what} {guard[1]}.data of an offloaded model between forwards: the weight views a device range "
         "that other units' weights overwrite, so it may hold another unit's bytes and a write there would "
         "be lost. Make edits (peft merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora, "
         "weight.data changes) inside `with flextensor.editing(model): ...`; read weights from "
-        "model.state_dict()"
+        "model.state_dict()" + (f"; {edits.unsettled_text()}" if edits.unsettled else "")
     )
+
+
+class OutsideEdits:
+    """``.data`` accesses of weights outside every unit between forwards (see [Note: editing streamed
+    weights]): allowed, and remembered until the next forward, so that an edit refused at a streamed
+    weight after it went through some of them leaves the model refusing to run (:attr:`unsettled`) rather
+    than running half-edited."""
+
+    def __init__(self) -> None:
+        self.touched: set[str] = set()
+        self.unsettled: list[str] = []
+
+    def unsettled_text(self) -> str:
+        names = ", ".join(self.unsettled[:5]) + (", ..." if len(self.unsettled) > 5 else "")
+        return (
+            f"the refused edit had gone through .data of weights outside the offload units ({names}), "
+            "which it may have changed: the model may be half-edited, and refuses to run until the edit is "
+            "made whole inside `with flextensor.editing(model): ...` (peft and diffusers skip the layers "
+            "already merged) or the model is loaded again"
+        )
 
 
 def _get_data(param: nn.Parameter) -> torch.Tensor:
@@ -127,10 +148,21 @@ def _set_data(param: nn.Parameter, value: torch.Tensor) -> None:
     _DATA.__set__(param, value)
 
 
+def _state_without_guard(param: nn.Parameter) -> dict | None:
+    """What pickling a guarded parameter (torch.save, deepcopy) keeps of its attributes: the user's, not
+    flextensor's guard (a weak reference to the engine, which cannot be pickled)."""
+    state = {k: v for k, v in param.__dict__.items() if not k.startswith("_flextensor")}
+    return state or None
+
+
 def _guarded_class(cls: type) -> type:
     made = _GUARDED_CLASSES.get(cls)
     if made is None:
-        members = {"data": property(_get_data, _set_data), "__module__": cls.__module__}
+        members = {
+            "data": property(_get_data, _set_data),
+            "__getstate__": _state_without_guard,
+            "__module__": cls.__module__,
+        }
         made = type(cls.__name__, (cls,), members)
         made._flextensor_original = cls  # type: ignore[attr-defined]
         _GUARDED_CLASSES[cls] = made
@@ -238,6 +270,11 @@ def refuse_forward_over_edits(engine: OffloadEngine) -> None:
             "a forward of the model inside flextensor.editing(model): run it after the with-block, once "
             "the edits are written back"
         )
+    outside = engine.outside_edits
+    if outside.unsettled:
+        raise UnsupportedOperationError(f"a forward after a refused edit: {outside.unsettled_text()}")
+    if outside.touched:
+        outside.touched.clear()  # the last edit, if any, went through whole
     edited = engine.watch.edited()
     if edited:
         engine.watch.arm(engine.units.values(), accept=True)
@@ -378,6 +415,7 @@ class EditSession:
         (a new shape or dtype), after leaving that weight as it was."""
         engine = self.engine
         engine.editing = None
+        engine.outside_edits = OutsideEdits()  # the user made the edit whole, or accepts the model as it is
         runtime = engine.runtime
         runtime.synchronize()
         names = parameter_aliases(engine.model)
