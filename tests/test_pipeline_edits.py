@@ -32,21 +32,26 @@ def reference() -> torch.Tensor:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("which", [0, 1], ids=["streamed_vae", "vacated_transformer_2"])
-def test_an_edit_between_generations_is_refused_outside_editing_and_kept_inside(
-    which: int, reference
-) -> None:
+@pytest.mark.parametrize("which", [0, 1], ids=["vae", "vacated_transformer_2"])
+def test_an_edit_between_generations_is_never_dropped_silently(which: int, reference) -> None:
+    """Outside editing() an edit of a streamed or vacated weight is refused at the component's next
+    forward (and dropped, as it says); one of a unit the plan keeps on the device is real and kept (the
+    VAE's plan may keep that unit resident when profiling on a busy machine gives it room). Inside
+    editing() it is kept either way."""
     pipe, native = offloaded_pipeline(), tiny_wan_pipeline()
     run_until_steady(pipe)
-    _edited_weights(pipe)[which].mul_(2)  # the components laid out and vacated in between must not lose it
-    with pytest.raises(UnsupportedOperationError, match="changed in place outside"):
-        run_wan_pipeline(pipe)
-    assert torch.equal(run_wan_pipeline(pipe), reference)  # the edit was dropped, and said so
-    component = pipe.vae if which == 0 else pipe.transformer_2
-    with flextensor.editing(component):
-        _edited_weights(pipe)[which].mul_(2)
     _edited_weights(native)[which].mul_(2)
-    expected = run_wan_pipeline(native)
-    assert not torch.equal(expected, reference)
+    edited = run_wan_pipeline(native)
+    assert not torch.equal(edited, reference)
+    _edited_weights(pipe)[which].mul_(2)  # the components laid out and vacated in between must not lose it
+    try:
+        out = run_wan_pipeline(pipe)
+    except UnsupportedOperationError as error:
+        assert "changed in place outside" in str(error)
+        assert torch.equal(run_wan_pipeline(pipe), reference)  # dropped, and said so
+        with flextensor.editing(pipe.vae if which == 0 else pipe.transformer_2):
+            _edited_weights(pipe)[which].mul_(2)
+    else:
+        assert torch.equal(out, edited)  # kept (a unit on the device): then in every generation after
     for _ in range(2):
-        assert torch.equal(run_wan_pipeline(pipe), expected)
+        assert torch.equal(run_wan_pipeline(pipe), edited)
