@@ -170,10 +170,10 @@ def _guarded_class(cls: type) -> type:
 
 
 def guard_parameters(engine: OffloadEngine) -> list[nn.Parameter]:
-    """Guard ``.data`` of every parameter of the model (see [Note: editing streamed weights]); plan time.
-    Returns the guarded parameters outside every unit (the caller unguards them at release); a wrapper
-    subclass (see tensor_subclasses.py) keeps its class, and a parameter another model guards is left to
-    it."""
+    """Guard ``.data`` of every unit parameter and note accesses to that of the model's other parameters
+    (see [Note: editing streamed weights]); plan time. Returns the parameters outside every unit (the
+    caller unguards them at release); a wrapper subclass (see tensor_subclasses.py) keeps its class, and
+    a parameter another model guards is left to it."""
     ref = weakref.ref(engine)
     in_units = set()
     for unit in engine.units.values():
