@@ -35,6 +35,7 @@ code orders the two.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +60,10 @@ class NestedCalls:
     __slots__ = ("_enqueued", "reported", "seen", "store")
 
     def __init__(self, store: DeviceStore) -> None:
-        self.store = store
+        # A proxy: the store holds this object, and a cycle would keep the store's units, and through
+        # them the weights release() hands back, until the garbage collector runs (on a GPU, the next
+        # model's budget would count them).
+        self.store = weakref.proxy(store)
         self._enqueued: Any = None  # an event marking "all compute so far"; made on first use
         self.seen: dict[Unit, Unit] = {}  # inner unit -> the unit it first ran inside, since forget()
         self.reported: set[Unit] = set()  # units warned of that go on borrowing (a kept layout)
