@@ -18,6 +18,7 @@ from engine_helpers import LEARN, install_placement, run_forwards
 from flextensor.api import engine_of
 from flextensor.errors import UnsupportedOperationError
 from flextensor.plan_policy import input_signature
+from flextensor.planner import minimal_need_bytes
 from nesting_models import Block, LateNesting
 from streaming import streaming_config
 
@@ -65,6 +66,65 @@ def test_a_unit_first_called_inside_another_after_learning_computes_right_and_is
     assert set(flextensor.status(model).plan.streamed) == {f"blocks.{i}" for i in range(4)}
     model.nest_in = None
     assert torch.equal(run_forwards(model, X, 1)[0], _expected(X, None, helper_layers))
+
+
+def test_the_arena_a_unit_left_behind_is_freed_when_the_next_layout_replaces_it() -> None:
+    """The helper kept resident leaves the units; its old arena range must not keep the whole old arena
+    alive beside the new one (on a GPU: 128 MiB more, which the next profile counted against the
+    budget as memory outside the model)."""
+    import gc
+
+    def arenas(nbytes: int) -> set[int]:
+        """The live storages of ``nbytes`` bytes that tensors view (the arena is the only one here)."""
+        gc.collect()
+        return {
+            o.untyped_storage().data_ptr()
+            for o in gc.get_objects()
+            if isinstance(o, torch.Tensor) and o.untyped_storage().nbytes() == nbytes
+        }
+
+    model = _offloaded()
+    run_forwards(model, X, LEARN)
+    arena = engine_of(model).store.arena
+    assert arena is not None
+    nbytes = arena.untyped_storage().nbytes()
+    del arena
+    assert len(arenas(nbytes)) == 1
+    model.nest_in = 1
+    run_forwards(model, X, LEARN + 1)
+    assert flextensor.phase(model) == "inference" and "helper" not in flextensor.offload_units(model)
+    arena = engine_of(model).store.arena
+    assert arena is not None and arena.untyped_storage().nbytes() == nbytes
+    del arena
+    assert len(arenas(nbytes)) == 1
+
+
+def test_without_room_in_the_budget_to_keep_it_resident_a_nested_unit_goes_on_borrowing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A budget that holds the streaming ring and no more (the GPU test's case: a helper of 64 MiB
+    beside a 200 MiB budget): keeping the helper resident would make the next plan fail with BudgetError
+    in a forward that ran before, so the nested calls go on borrowing, right each time, with one warning
+    that says how much more budget would keep it resident."""
+    model = _offloaded()
+    budget = engine_of(model).policy.budget_bytes
+    assert budget is not None
+    run_forwards(model, X, LEARN)
+    plan = flextensor.status(model).plan
+    assert plan is not None and "helper" in plan.streamed
+    # As on a GPU, the weights kept outside the units would count in the next plan's baseline; the
+    # streaming config's budget is already the tightest the learned plan accepts (two units in flight).
+    engine_of(model).store.runtime.counts_memory = True
+    assert budget == minimal_need_bytes(engine_of(model).current.measurements)[0]
+    model.nest_in = 2
+    expected = _expected(X, 2)
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        for out in run_forwards(model, X, LEARN + 2):
+            assert torch.equal(out, expected)
+    assert caplog.text.count("units ran inside another") == 1
+    assert "no room to keep them resident" in caplog.text and "more gpu_memory_budget" in caplog.text
+    assert "helper" in flextensor.offload_units(model)
+    assert flextensor.phase(model) == "inference"
 
 
 def test_a_nesting_first_seen_while_profiling_is_right_and_learned() -> None:

@@ -147,6 +147,9 @@ class DeviceRuntime:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.is_cuda = device.type == "cuda"
+        # Whether memory_allocated() measures the device: weights outside the units then count in a plan's
+        # baseline (the CPU stand-in counts nothing).
+        self.counts_memory = self.is_cuda
         self._copy_stream: Any = None
         self._decode_stream: Any = None
         self._host_stream = HostStream()

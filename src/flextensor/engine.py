@@ -443,11 +443,19 @@ class OffloadEngine(PlanStates):
         empty = [u for u in self.units.values() if not u.parameters]
         if not empty:
             return
+        owner = self.store.owner
         for unit in empty:
             del self.units[unit.name]
             if unit.pack is not None:
                 unit.pack.free()
                 unit.pack = None
+            # Its arena range too: the hooks keep the unit (its marks) until release, and a view would
+            # keep the whole arena alive after the next layout replaced it.
+            for cell in unit.cells:
+                if cell < len(owner) and owner[cell] is unit:
+                    owner[cell] = None
+            unit.storage, unit.cells, unit.prefetch_next = None, (), ()
+            unit.placement = Placement.HOST
             logger.info("unit %s streams nothing now; it is no longer an offload unit", unit.name)
         self.store.units = list(self.units.values())
         self.hooks.hook_units(u for u in self.hooks.hooked_units if u.name in self.units)

@@ -18,9 +18,10 @@ learned order) could too. So such a call *borrows* its range:
 
 The outputs stay right. The engine then keeps the unit resident and profiles again, as discovery would
 have (``PlanStates._learn_nested_calls``); until then, or while CUDA graphs or a serving engine hold the
-layout, every such call pays an unhidden copy. The hooks keep the stack of running units
-(``ModelHooks.running``) and send a call made while it is not empty to the step's ``nested_pre`` /
-``nested_post``. A unit called inside itself (recursion) is not taken for a nesting to learn.
+layout, or where the budget has no room to keep them resident, every such call pays an unhidden copy.
+The hooks keep the stack of running units (``ModelHooks.running``) and send a call made while it is not
+empty to the step's ``nested_pre`` / ``nested_post``. A unit called inside itself (recursion) is not
+taken for a nesting to learn.
 
 Inside a compiled graph the kernels around the call need not run in program order: the inner's pre op is
 ordered only after what writes its own weights, so the compiler may move the caller's reads of its

@@ -20,6 +20,8 @@ from .learning import Learning, Phase
 from .measurements import LinkModel, Measurements
 from .plan import Plan
 from .plan_policy import ROOM_BACK_SHARE, PlanEntry, PlanPolicy, without_coding
+from .planner import minimal_need_bytes
+from .sizes import format_bytes
 
 if TYPE_CHECKING:
     from .cuda_graphs import GraphCaptures
@@ -123,13 +125,21 @@ class PlanStates:
         if not nested:
             return False
         calls = ", ".join(f"{u.name!r} inside {outer.name!r}" for u, outer in nested.items())
-        if self.graphs.layout_kept:
+        short = self._short_to_keep(nested)
+        if self.graphs.layout_kept or short > 0:
             if not nested.keys() <= self.store.nested.reported:
                 self.store.nested.reported.update(nested)
+                why = (
+                    "the layout is kept (CUDA graphs or a serving engine)"
+                    if self.graphs.layout_kept
+                    else f"the budget has no room to keep them resident ({format_bytes(short)} more "
+                    "gpu_memory_budget would have)"
+                )
                 logger.warning(
-                    "units ran inside another, which the learning forwards never saw (%s); the layout is "
-                    "kept (CUDA graphs or a serving engine), so each such call waits for its copy",
+                    "units ran inside another, which the learning forwards never saw (%s); %s, so each "
+                    "such call waits for its copy",
                     calls,
+                    why,
                 )
             return False
         logger.warning(
@@ -141,6 +151,24 @@ class PlanStates:
             self.weights.keep_unit_resident(unit, f"it runs inside {outer.name!r}", current_values=False)
         self._learn_again(DiscoveryResult(list(self.order)))
         return True
+
+    def _short_to_keep(self, nested: dict[Unit, Unit]) -> int:
+        """How far keeping the ``nested`` units resident would take the smallest plan past the budget (0:
+        it fits, or no budget). A plan that cannot be made would stop the next forward with BudgetError,
+        where the borrowing calls are right, only slower."""
+        budget, entry = self.policy.budget_bytes, self.current
+        if budget is None or entry is None:
+            return 0
+        measurements = entry.measurements
+        kept = {u.name for u in nested}
+        # Resident outside the units, their weights join what the next profile measures as the baseline.
+        moved = sum(u.nbytes for u in measurements.units if u.name in kept)
+        after = replace(
+            measurements,
+            units=tuple(u for u in measurements.units if u.name not in kept),
+            baseline_bytes=measurements.baseline_bytes + (moved if self.store.runtime.counts_memory else 0),
+        )
+        return max(0, minimal_need_bytes(after)[0] - budget)
 
     def install_plan(
         self, measurements: Measurements, plan: Plan | None = None, crowded_bytes: int = 0
