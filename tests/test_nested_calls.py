@@ -127,6 +127,73 @@ def test_without_room_in_the_budget_to_keep_it_resident_a_nested_unit_goes_on_bo
     assert flextensor.phase(model) == "inference"
 
 
+def _count_memory_as_a_gpu(model: nn.Module, activations: dict[int, int]) -> None:
+    """The CPU stand-in's memory counters as CUDA's would read: flextensor's device bytes, the weights
+    kept resident outside the units, and ``activations[batch]`` more at the peak of a forward."""
+    engine = engine_of(model)
+    runtime, batch = engine.store.runtime, [0]
+
+    def allocated() -> int:
+        kept = sum(p.nbytes for n, p in model.named_parameters() if n in engine.resident_reasons)
+        return engine.store.device_bytes_held() + kept
+
+    def forward_pre_hook(module: nn.Module, args: tuple) -> None:
+        batch[0] = args[0].shape[0]
+
+    model.register_forward_pre_hook(forward_pre_hook, prepend=True)
+    runtime.memory_allocated = allocated
+    runtime.max_memory_allocated = lambda: allocated() + activations.get(batch[0], 0)
+    runtime.counts_memory = True
+
+
+@pytest.mark.parametrize("first", ["small", "large"])
+def test_the_room_to_keep_a_nested_unit_is_checked_against_the_plan_of_every_input(first: str) -> None:
+    """Two input sizes, the larger with more activations: the helper fits beside the small input's plan
+    but not the large one's, so it goes on borrowing whichever input shows the nesting first (keeping
+    it resident would stop the large input's next forward with BudgetError)."""
+    model = LateNesting(WIDTH)
+    config = streaming_config(model, ["helper", "blocks.*"])
+    # The ring (24 KiB) and the helper (9 KiB) fit with the small input's activations (none), not with
+    # the large one's (4,000 bytes).
+    flextensor.offload(model, config.model_copy(update={"gpu_memory_budget": 34_000}))
+    small, large = X, torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(4))
+    _count_memory_as_a_gpu(model, {large.shape[0]: 4000})
+    run_forwards(model, small, LEARN)
+    run_forwards(model, large, LEARN)
+    assert len(flextensor.status(model).plans) == 2
+    model.nest_in = 1
+    inputs = [small, large] if first == "small" else [large, small]
+    for _ in range(LEARN + 1):
+        for x in inputs:
+            assert torch.equal(run_forwards(model, x, 1)[0], _expected(x, 1))
+    assert "helper" in flextensor.offload_units(model) and flextensor.phase(model) == "inference"
+
+
+def test_the_room_to_keep_a_unit_that_only_ever_runs_nested_counts_its_size() -> None:
+    """A unit that never ran in the learning forwards (no measurement of it) and then runs inside a block:
+    its own size decides whether it fits, so at the tightest budget it borrows instead of failing the
+    next plan."""
+
+    class OnlyNested(LateNesting):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, block in enumerate(self.blocks):
+                x = block(x, self.helper if i == self.nest_in else None)
+            return x
+
+    model = OnlyNested(WIDTH)
+    flextensor.offload(model, streaming_config(model, ["helper", "blocks.*"]))
+    _count_memory_as_a_gpu(model, {})
+    run_forwards(model, X, LEARN)
+    model.nest_in = 1
+    reference = OnlyNested(WIDTH)
+    reference.nest_in = 1
+    with torch.no_grad():
+        expected = reference(X)
+    for out in run_forwards(model, X, LEARN + 2):
+        assert torch.equal(out, expected)
+    assert "helper" in flextensor.offload_units(model) and flextensor.phase(model) == "inference"
+
+
 def test_a_nesting_first_seen_while_profiling_is_right_and_learned() -> None:
     """The nesting begins after the discovery forward, in the profiling ones (which assumed, as steady
     state does, that no unit runs when another loads)."""
@@ -238,12 +305,18 @@ def test_a_tied_alias_first_called_inside_a_block_after_learning_is_right() -> N
     assert flextensor.phase(model) == "inference"
 
 
-@pytest.mark.parametrize("how", ["model", "blocks"])
-def test_under_torch_compile_a_late_nesting_is_refused_before_a_wrong_output_then_learned(how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "room"), [("model", True), ("blocks", True), ("model", False)], ids=["model", "blocks", "no-room"]
+)
+def test_under_torch_compile_a_late_nesting_is_refused_before_a_wrong_output_then_learned(
+    how: str, room: bool
+) -> None:
     """Inside a compiled graph the caller's reads of its weights may be moved past the inner unit's pre
     op, so a nested load that would take the caller's range stops the forward with an error (nothing
     wrong computed); the unit is kept resident, and the next forwards are bitwise the natively compiled
-    model's. A nested load that takes no running unit's range just runs."""
+    model's. A nested load that takes no running unit's range just runs. Without room in the budget to
+    keep the helper resident (the weights it keeps counted as on a GPU), the one that just runs goes on
+    borrowing, while the refused one is kept resident all the same: it could never run otherwise."""
     pytest.importorskip("torch._inductor")
     import torch._dynamo
 
@@ -264,6 +337,7 @@ def test_under_torch_compile_a_late_nesting_is_refused_before_a_wrong_output_the
         model = _offloaded()
         run_forwards(compiled(model), X, LEARN)
         assert flextensor.phase(model) == "inference"
+        engine_of(model).store.runtime.counts_memory = not room  # the tightest budget: no room then
         model.nest_in = nest_in
         refused = 0
         outs = []
@@ -276,7 +350,8 @@ def test_under_torch_compile_a_late_nesting_is_refused_before_a_wrong_output_the
         assert refused == (nest_in == 3)  # blocks.3 shares helper's range in this layout; blocks.0 not
         assert len(outs) >= LEARN + 1
         assert all(torch.equal(out, expected) for out in outs)
-        assert "helper.0.weight" in flextensor.resident_parameters(model)
+        kept = room or nest_in == 3
+        assert ("helper.0.weight" in flextensor.resident_parameters(model)) == kept
     torch._dynamo.reset()
 
 

@@ -58,7 +58,7 @@ last read each of its cells, leaving ``compute_stream`` current (``DeviceStore.l
 class NestedCalls:
     """The borrowing of [Note: nested calls] for one model's store, and the nestings it saw."""
 
-    __slots__ = ("_enqueued", "reported", "seen", "store")
+    __slots__ = ("_enqueued", "refused", "reported", "seen", "store", "without_room")
 
     def __init__(self, store: DeviceStore) -> None:
         # A proxy: the store holds this object, and a cycle would keep the store's units, and through
@@ -67,7 +67,9 @@ class NestedCalls:
         self.store = weakref.proxy(store)
         self._enqueued: Any = None  # an event marking "all compute so far"; made on first use
         self.seen: dict[Unit, Unit] = {}  # inner unit -> the unit it first ran inside, since forget()
-        self.reported: set[Unit] = set()  # units warned of that go on borrowing (a kept layout)
+        self.reported: set[Unit] = set()  # units warned of that go on borrowing under a kept layout
+        self.without_room: set[Unit] = set()  # units that go on borrowing: no room to keep them resident
+        self.refused: set[Unit] = set()  # units whose nested load a compiled forward refused: cannot borrow
 
     def pre(
         self,
@@ -101,6 +103,7 @@ class NestedCalls:
                     if hit
                     else "its load would be recorded into a CUDA graph that no flextensor step drives"
                 )
+                self.refused.add(unit)
                 raise UnsupportedOperationError(
                     f"unit {unit.name!r} was called inside {callers[-1].name!r} in a compiled forward, a "
                     f"nesting the learning forwards never saw; {why}, so this call stopped instead. In a "

@@ -120,27 +120,36 @@ class PlanStates:
         """Streamed units that ran inside another after learning (see [Note: nested calls] in
         nested_calls.py): their calls borrowed their range, right but slow. Keep them resident and
         profile again, as discovery would have; whether it did (this forward's samples then say nothing).
-        Not while CUDA graphs or a serving engine hold the layout: such calls go on borrowing."""
+        Not while CUDA graphs or a serving engine hold the layout, nor where the budget has no room for
+        them (unless a compiled forward refused to borrow): such calls go on borrowing."""
         nested = {u: outer for u, outer in seen.items() if u.name in self.units and not u.resident}
         if not nested:
             return False
+        borrowing = self.store.nested
         calls = ", ".join(f"{u.name!r} inside {outer.name!r}" for u, outer in nested.items())
-        short = self._short_to_keep(nested)
-        if self.graphs.layout_kept or short > 0:
-            if not nested.keys() <= self.store.nested.reported:
-                self.store.nested.reported.update(nested)
-                why = (
-                    "the layout is kept (CUDA graphs or a serving engine)"
-                    if self.graphs.layout_kept
-                    else f"the budget has no room to keep them resident ({format_bytes(short)} more "
-                    "gpu_memory_budget would have)"
-                )
+        if self.graphs.layout_kept:
+            if not nested.keys() <= borrowing.reported:
+                borrowing.reported.update(nested)
                 logger.warning(
-                    "units ran inside another, which the learning forwards never saw (%s); %s, so each "
-                    "such call waits for its copy",
+                    "units ran inside another, which the learning forwards never saw (%s); the layout is "
+                    "kept (CUDA graphs or a serving engine), so each such call waits for its copy",
                     calls,
-                    why,
                 )
+            return False
+        if nested.keys() <= borrowing.without_room:
+            return False  # decided once, not again each forward: they go on borrowing
+        # A compiled forward cannot borrow (it refused the load): those are kept resident whatever the
+        # budget says; the next plan then says how much more it needs.
+        short = 0 if nested.keys() & borrowing.refused else self._short_to_keep(nested)
+        if short > 0:
+            borrowing.without_room.update(nested)
+            logger.warning(
+                "units ran inside another, which the learning forwards never saw (%s); the budget has no "
+                "room to keep them resident (%s more gpu_memory_budget would have), so each such call "
+                "waits for its copy",
+                calls,
+                format_bytes(short),
+            )
             return False
         logger.warning(
             "units ran inside another, which the learning forwards never saw (%s): keeping the inner "
@@ -153,22 +162,27 @@ class PlanStates:
         return True
 
     def _short_to_keep(self, nested: dict[Unit, Unit]) -> int:
-        """How far keeping the ``nested`` units resident would take the smallest plan past the budget (0:
-        it fits, or no budget). A plan that cannot be made would stop the next forward with BudgetError,
-        where the borrowing calls are right, only slower."""
-        budget, entry = self.policy.budget_bytes, self.current
-        if budget is None or entry is None:
+        """How far keeping the ``nested`` units resident would take the smallest plan of any input seen
+        past the budget (0: every one fits, or no budget). Learning again forgets every plan, and one that
+        cannot be made would stop a forward with BudgetError, where the borrowing calls are right, only
+        slower. Plan time: once per nesting first seen."""
+        budget = self.policy.budget_bytes
+        if budget is None:
             return 0
-        measurements = entry.measurements
         kept = {u.name for u in nested}
-        # Resident outside the units, their weights join what the next profile measures as the baseline.
-        moved = sum(u.nbytes for u in measurements.units if u.name in kept)
-        after = replace(
-            measurements,
-            units=tuple(u for u in measurements.units if u.name not in kept),
-            baseline_bytes=measurements.baseline_bytes + (moved if self.store.runtime.counts_memory else 0),
-        )
-        return max(0, minimal_need_bytes(after)[0] - budget)
+        # Resident outside the units, their weights join what the next profile measures as the baseline
+        # (a unit that never ran while learning is in no measurements: its own size counts).
+        moved = sum(u.nbytes for u in nested) if self.store.runtime.counts_memory else 0
+        short = 0
+        for entry in self.plans.values():
+            measurements = entry.measurements
+            after = replace(
+                measurements,
+                units=tuple(u for u in measurements.units if u.name not in kept),
+                baseline_bytes=measurements.baseline_bytes + moved,
+            )
+            short = max(short, minimal_need_bytes(after)[0] - budget)
+        return short
 
     def install_plan(
         self, measurements: Measurements, plan: Plan | None = None, crowded_bytes: int = 0
