@@ -356,6 +356,31 @@ def test_components_hold_no_device_memory_for_their_units_until_they_run(referen
     assert torch.equal(run_wan_pipeline(pipe), reference)
 
 
+def test_offloading_a_pipeline_holds_no_more_device_memory_than_a_generation(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """offload(pipe) gives each component's learning layout back before it offloads the next (and, from a
+    profile, its plan's layout too): the device holds one component's layout at a time, as a generation
+    does, not every component's at once (on a GPU, a few GB over a one-phase budget for Wan2.2)."""
+    from device_allocations import DeviceAllocations
+
+    pipe = offloaded_pipeline()
+    run_until_steady(pipe)
+    path = tmp_path / "wan.ftprofile.json"
+    flextensor.save_profile(pipe, path)
+    flextensor.release(pipe)
+    for fields in ({}, {"profile": str(path)}):
+        device = DeviceAllocations(monkeypatch)
+        pipe = offloaded_pipeline(**fields)
+        offloading = device.peak
+        assert device.live_bytes() == 0  # every component lays out at its first step
+        device.reset_peak()
+        with torch.no_grad():
+            run_wan_pipeline(pipe)
+        assert 0 < offloading <= device.peak, (fields, offloading, device.peak)
+        flextensor.release(pipe)
+
+
 @torch.no_grad()
 def test_a_component_given_back_before_it_ever_ran_still_discovers_first() -> None:
     torch.manual_seed(0)

@@ -44,6 +44,27 @@ def test_saved_profile_starts_next_run_in_steady_state(tmp_path: Path) -> None:
     assert flextensor.status(second).plans == flextensor.status(first).plans
 
 
+@pytest.mark.parametrize("compression", ["off", "lossless"])
+def test_offload_from_a_profile_frees_the_learning_layout_before_it_lays_out_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compression: str
+) -> None:
+    """offload(profile=...) lays a learning arena out (the link probe writes into it), then the profile's
+    plan: the first is freed before the second is made, so the device never holds both (it did: a local
+    reference kept it alive, twice the plan's arena at a budget made for one)."""
+    from device_allocations import DeviceAllocations
+
+    path = tmp_path / "llama.json"
+    model = tiny_llama().to(torch.bfloat16)
+    config = streaming_config(model, ["model.layers.*"], compression=compression)
+    first = flextensor.offload(model, config)
+    _steady(first, llama_inputs())
+    flextensor.save_profile(first, path)
+    device = DeviceAllocations(monkeypatch)
+    second = flextensor.offload(tiny_llama().to(torch.bfloat16), config.model_copy(update={"profile": path}))
+    assert flextensor.phase(second) == "inference"
+    assert device.peak <= device.live_bytes(), (device.peak, device.live_bytes())
+
+
 def test_profile_of_another_model_is_refused_naming_the_difference(tmp_path: Path) -> None:
     path = tmp_path / "spec.json"
     model = flextensor.offload(make_spec_model(), flextensor.OffloadConfig(**CPU))

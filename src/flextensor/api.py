@@ -136,6 +136,7 @@ def offload(
             engine.store.forget_contents()  # the probe wrote over the arena
             if config.compression == "lossless":
                 compress(engine, arena, profile, str(config.profile))
+        del arena  # the profile's layout below frees the learning arena first: no reference may keep it
         if profile is not None:
             from .profile_reuse import start_from_loaded_profile
 

@@ -343,11 +343,13 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
             device = next(module.parameters()).device
             offload(module, configs[name])
             done.append((module, device))
-            pipeline.engine(name).store.keep_packs = True  # see the note: components lay out in turn
-        if profiles is not None:
-            _start_from_profiles(pipeline, profiles, str(config.profile))
-        for name in components:  # each lays out at its first step: the peak is one phase's, not the sum
-            pipeline.engine(name).vacate()
+            engine = pipeline.engine(name)
+            engine.store.keep_packs = True  # see the note: components lay out in turn
+            if profiles is not None:
+                _start_from_profile(engine, profiles[name], f"{config.profile}, component {name!r}")
+            # Given back before the next component is offloaded: each lays out at its first step, so the
+            # peak is one phase's, not the sum of every component's learning arena (offload included).
+            engine.vacate()
     except BaseException:
         for module, device in reversed(done):
             release(module, device)
@@ -367,16 +369,13 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
     return pipe
 
 
-def _start_from_profiles(pipeline: PipelineOffload, profiles: dict[str, Any], source: str) -> None:
-    """Put every component in steady state from its saved profile. Each one's plan is laid out to check
-    it lands, then given back at once: components lay out in turn, at their first step (see the note)."""
+def _start_from_profile(engine: Any, profile: Any, source: str) -> None:
+    """Put a component in steady state from its saved profile. Its plan is laid out to check it lands,
+    then given back by the caller: components lay out in turn, at their first step (see the note)."""
     from .profile_reuse import start_from_loaded_profile
 
-    for name, profile in profiles.items():
-        engine = pipeline.engine(name)
-        engine.vacate()  # its learning layout, before the plan's is made
-        start_from_loaded_profile(engine, profile, f"{source}, component {name!r}")
-        engine.vacate()
+    engine.vacate()  # its learning layout, before the plan's is made
+    start_from_loaded_profile(engine, profile, source)
 
 
 def save_pipeline(pipe: Any, path: Any) -> None:
