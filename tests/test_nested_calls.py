@@ -355,6 +355,34 @@ def test_under_torch_compile_a_late_nesting_is_refused_before_a_wrong_output_the
     torch._dynamo.reset()
 
 
+def test_a_unit_borrowing_for_lack_of_room_is_kept_resident_once_compiled_forwards_refuse_it() -> None:
+    """Eager forwards borrow the helper (no room to keep it resident); compiled afterwards, the nested load
+    is refused, and the helper is then kept resident all the same: a compiled forward could never run
+    otherwise. Bitwise the natively compiled model's from then on."""
+    pytest.importorskip("torch._inductor")
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    reference = LateNesting(WIDTH)
+    reference.nest_in = 3
+    with torch.no_grad():
+        expected = torch.compile(reference)(X)
+    torch._dynamo.reset()
+    model = _offloaded()
+    run_forwards(model, X, LEARN)
+    engine_of(model).store.runtime.counts_memory = True  # the tightest budget: no room for the helper
+    model.nest_in = 3
+    run_forwards(model, X, 2)
+    assert "helper" in flextensor.offload_units(model)  # borrowing
+    compiled = torch.compile(model)
+    with pytest.raises(UnsupportedOperationError, match="runs when called again"):
+        run_forwards(compiled, X, 1)
+    outs = run_forwards(compiled, X, LEARN + 1)
+    assert all(torch.equal(out, expected) for out in outs)
+    assert "helper.0.weight" in flextensor.resident_parameters(model)
+    torch._dynamo.reset()
+
+
 class Stage(nn.Module):
     """Linear layers; a module in ``inner`` (a list, so it is no child) runs between them once set."""
 

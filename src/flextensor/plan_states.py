@@ -136,16 +136,17 @@ class PlanStates:
                     calls,
                 )
             return False
-        if nested.keys() <= borrowing.without_room:
-            return False  # decided once, not again each forward: they go on borrowing
         # A compiled forward cannot borrow (it refused the load): those are kept resident whatever the
-        # budget says; the next plan then says how much more it needs.
-        short = 0 if nested.keys() & borrowing.refused else self._short_to_keep(nested)
+        # budget says, even after eager forwards borrowed them; the next plan says how much more it needs.
+        refused = bool(nested.keys() & borrowing.refused)
+        if not refused and nested.keys() <= borrowing.without_room:
+            return False  # decided once, not again each forward: they go on borrowing
+        short = 0 if refused else self._short_to_keep(nested)
         if short > 0:
             borrowing.without_room.update(nested)
             logger.warning(
                 "units ran inside another, which the learning forwards never saw (%s); the budget has no "
-                "room to keep them resident (%s more gpu_memory_budget would have), so each such call "
+                "room to keep them resident (%s more gpu_memory_budget would make room), so each such call "
                 "waits for its copy",
                 calls,
                 format_bytes(short),
