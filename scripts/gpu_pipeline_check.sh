@@ -5,8 +5,9 @@
 # PART=3: flextensor 0.5.0, diffusers' enable_model_cpu_offload (about 80 s a generation). Each method
 # builds the pipeline afresh (~45 s) and runs 1-3 warm-up generations and 2 timed ones (28 s natively);
 # ours takes about 220 s in all, native 250 s (2026-12-04 18:05).
-# REFERENCE=<a result file of PART=1, copied into the repo> compares PART=2 and 3 with that native run
-# (time, and output by SHA-256) instead of running native again: ~170 s saved per call.
+# REFERENCE=<a result file of PART=1 whose native run has an output digest, copied into the repo; the
+# first: benchmarks/results/wan22_pipeline-cuda-20261205-165450.json> compares PART=2 and 3 with that
+# native run (time, and output by SHA-256) instead of running native again: ~170 s saved per call.
 # METHODS overrides the part's list. PROFILE=1 profiles one more generation of each method and prints
 # flextensor's ranges (layouts, uploads, vacates at the switches; waits and prefetches in the steps).
 #   device tool: carry [".whl"], command: PART=1 bash scripts/gpu_pipeline_check.sh

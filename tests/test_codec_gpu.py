@@ -279,22 +279,35 @@ def test_processes_sharing_compressed_weights_stream_them_bit_for_bit_on_cuda(sh
 
     monkeypatch.setattr(shared_store, "SHARED_STORE_TIMEOUT_S", 30.0)
     monkeypatch.setattr(shared_coded, "SHARED_CODED_TIMEOUT_S", 30.0)
-    config = flextensor.OffloadConfig(
-        include_patterns=["model.layers.*"],
-        gpu_memory_budget="240MiB",
-        compression="lossless",
-        share_host_memory=True,
-    )
+
+    # One process stands for three here, and a budget counts the device memory of every other model as
+    # memory outside its own: the models run (then give their memory back) in order, so the k-th one's
+    # budget is 240 MiB plus what each model after it holds on the device while it waits (embeddings,
+    # norms, head, its learning slots), measured on a model offloaded alone first.
+    def config(models_after: int, held: int = 0, share: bool = True) -> flextensor.OffloadConfig:
+        return flextensor.OffloadConfig(
+            include_patterns=["model.layers.*"],
+            gpu_memory_budget=240 * 2**20 + models_after * held,
+            compression="lossless",
+            share_host_memory=share,
+        )
+
+    before = torch.cuda.memory_allocated()
+    probe = flextensor.offload(medium_llama(), config(0, share=False))
+    held = torch.cuda.memory_allocated() - before
+    flextensor.release(probe, "cpu")
+    del probe
+
     inputs = tokens(16)
     want = device_logits(inputs)
     models: list[torch.nn.Module] = []
     released: list[torch.nn.Module] = []
     try:
-        models.append(flextensor.offload(medium_llama(), config))
+        models.append(flextensor.offload(medium_llama(), config(2, held)))
         assert [
             p.name for p in shm.iterdir() if not p.name.endswith(".lock") and "-coded-" not in p.name
         ] == []
-        models.append(flextensor.offload(medium_llama(), config))
+        models.append(flextensor.offload(medium_llama(), config(1, held)))
         with torch.device("meta"):
             meta = medium_llama()
         source = medium_llama()
@@ -302,7 +315,7 @@ def test_processes_sharing_compressed_weights_stream_them_bit_for_bit_on_cuda(sh
         meta.load_state_dict(kept, strict=False, assign=True)
         meta.model.rotary_emb = source.model.rotary_emb
         meta.tie_weights()  # assign=True gave the head a parameter of its own: the layout must match
-        models.append(flextensor.offload(meta, config))
+        models.append(flextensor.offload(meta, config(0, held)))
         (segment,) = [p for p in shm.iterdir() if not p.name.endswith(".lock")]
         assert "-coded-" in segment.name
         for index, model in enumerate(models):
@@ -312,9 +325,7 @@ def test_processes_sharing_compressed_weights_stream_them_bit_for_bit_on_cuda(sh
             with torch.no_grad():
                 for _ in range(5):
                     assert torch.equal(model(inputs).logits, want), index
-            # One process stands for three here: each budget counts the device memory of the models
-            # that ran before it as memory outside its own, so each gives its device memory back.
-            flextensor.release(model, "cpu")
+            flextensor.release(model, "cpu")  # the next model's budget does not count this one
             released.append(model)
     finally:
         for model in models:

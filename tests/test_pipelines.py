@@ -123,7 +123,8 @@ def test_release_gives_back_a_plain_pipeline(reference: torch.Tensor) -> None:
     for module in modules_of(pipe).values():
         with pytest.raises(NotOffloadedError):
             flextensor.phase(module)
-    assert "to" not in pipe.__dict__
+    replaced = {"to", "maybe_free_model_hooks", "enable_model_cpu_offload", "enable_group_offload"}
+    assert not replaced & set(pipe.__dict__), set(pipe.__dict__) & replaced
     assert torch.equal(run_wan_pipeline(pipe), reference)
 
 
@@ -242,14 +243,15 @@ def test_a_mapping_of_modules_is_a_pipeline() -> None:
 
 def two_stacks(monkeypatch: pytest.MonkeyPatch, budget: str) -> tuple[dict, object, torch.Tensor]:
     """Two stacks of six layers offloaded as a pipeline (a mapping) under ``budget`` and run until steady,
-    the link modelled slow so that plans keep layers resident where they fit. Returns the mapping, a
+    the link modelled slow (10 kB/s: a layer's copy takes 1.7 s, which no compute hides, even on a busy
+    machine) so that plans keep layers resident where they fit. Returns the mapping, a
     function running one "generation" through both, and its expected output."""
     from flextensor import api
     from flextensor.measurements import LinkModel
 
     real_probe = api.probe_links
     monkeypatch.setattr(
-        api, "probe_links", lambda store, arena: (LinkModel.constant(1e6), real_probe(store, arena)[1])
+        api, "probe_links", lambda store, arena: (LinkModel.constant(1e4), real_probe(store, arena)[1])
     )
     torch.manual_seed(0)
     parts = {name: nn.Sequential(*(nn.Linear(64, 64) for _ in range(6))) for name in ("first", "second")}
@@ -360,8 +362,11 @@ def test_offloading_a_pipeline_holds_no_more_device_memory_than_a_generation(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
     """offload(pipe) gives each component's learning layout back before it offloads the next (and, from a
-    profile, its plan's layout too): the device holds one component's layout at a time, as a generation
-    does, not every component's at once (on a GPU, a few GB over a one-phase budget for Wan2.2)."""
+    profile, its plan's layout too): the device holds one component's layout at a time, within the
+    budget, not every component's at once (on a GPU, a few GB over a one-phase budget for Wan2.2). The
+    tightest budget is the VAE's learning layout: the sum would exceed it. (Not bounded by the
+    generation's peak: from a profile a busy machine's plan may stream the VAE through a smaller arena
+    than the layout it learned in.)"""
     from device_allocations import DeviceAllocations
 
     pipe = offloaded_pipeline()
@@ -377,7 +382,8 @@ def test_offloading_a_pipeline_holds_no_more_device_memory_than_a_generation(
         device.reset_peak()
         with torch.no_grad():
             run_wan_pipeline(pipe)
-        assert 0 < offloading <= device.peak, (fields, offloading, device.peak)
+        assert 0 < offloading <= pipe._flextensor_pipeline.budget_bytes, (fields, offloading)
+        assert device.peak > 0
         flextensor.release(pipe)
 
 

@@ -35,6 +35,13 @@ give its memory back. Under a budget that holds one component at a time it lays 
 before. A wrong guess (a generation with more steps) costs memory the next step may take back, not
 correctness.
 
+Never across the end of a call of the pipeline (diffusers pipelines end ``__call__`` with
+``maybe_free_model_hooks()``, which flextensor watches): after the VAE the pipeline still post-processes
+the video on the device, and the caller may do anything before the next generation, all of it memory
+no plan counted. Laying the text encoder out there put 7 GB beside that work and took Wan2.2's peak to
+9.06 GB under an 8 GiB budget (H200, 2026-12-05); it also kept those 7 GB held between generations. A
+mapping of components has no call to watch: its runs are laid out ahead as they come.
+
 The memory of a layout ahead is taken with the copy stream current: PyTorch's caching allocator hands a
 stream only blocks freed on it, so the finishing component's queued compute can never see them written.
 The price: once that component gives its layout back, those blocks stay cached for its copy stream, so
@@ -55,8 +62,9 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig
-from .errors import ConfigError, NotOffloadedError, UnsupportedOperationError
+from .errors import ConfigError, NotOffloadedError
 from .patterns import is_class_pattern
+from .pipeline_methods import replace_methods, restore_methods
 
 logger = logging.getLogger("flextensor")
 
@@ -69,13 +77,6 @@ __all__ = [
 ]
 
 _PIPELINE_ATTR = "_flextensor_pipeline"
-
-_REFUSED_METHODS = (
-    "enable_model_cpu_offload",
-    "enable_sequential_cpu_offload",
-    "enable_group_offload",
-)
-"""Pipeline methods that would move an offloaded pipeline's components behind flextensor's back."""
 
 
 def components_of(pipe: object) -> dict[str, nn.Module] | None:
@@ -207,7 +208,9 @@ class PipelineOffload:
         self._last_run: list[str] = []  # component names, least recently run first
         self.vacated = 0  # times a component gave its device bytes back
         self._run: tuple[str, int] | None = None  # the component running now, and its steps in a row
-        self._runs: dict[str, tuple[int, str]] = {}  # each one's last run: its length, who came next
+        # Each one's last run: its length, who came next, whether a call of the pipeline ended between.
+        self._runs: dict[str, tuple[int, str, bool]] = {}
+        self._call_ended = False  # the pipeline's __call__ ended since the last step (pipeline_methods.py)
         self.laid_out_ahead = 0  # times a component was laid out before its step (see the note)
 
     def engine(self, name: str) -> Any:
@@ -218,12 +221,13 @@ class PipelineOffload:
     def before_step(self, name: str) -> None:
         """Component ``name`` begins a step: make room for it among the others."""
         run = self._run
-        if run is not None and run[0] == name:
+        if run is not None and run[0] == name and not self._call_ended:
             self._run = (name, run[1] + 1)
         else:
             if run is not None:
-                self._runs[run[0]] = (run[1], name)
+                self._runs[run[0]] = (run[1], name, self._call_ended)
             self._run = (name, 1)
+        self._call_ended = False
         if name in self._last_run:
             self._last_run.remove(name)
         self._make_room(name, keep=None)
@@ -233,11 +237,15 @@ class PipelineOffload:
         """Device bytes the components other than ``name`` hold for their units."""
         return sum(self.engine(n).store.device_bytes_held() for n in self.components if n != name)
 
+    def call_ended(self) -> None:
+        """The pipeline's ``__call__`` ended: the next step begins the next call (see the note)."""
+        self._call_ended = True
+
     def after_step(self, name: str) -> None:
         """Component ``name`` ended a step: lay out the one expected next if this ends its run."""
         run, last = self._run, self._runs.get(name)
-        if run is None or run[0] != name or last is None or last[0] != run[1] or last[1] == name:
-            return
+        if run is None or run[0] != name or last is None or last[0] != run[1] or last[1] == name or last[2]:
+            return  # not the end of a run as long as the last, or the next one came in the next call
         following = last[1]
         engine = self.engine(following)
         if engine.laid_out or engine.planned_peak_bytes() is None:
@@ -364,7 +372,7 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
         _MAPPINGS[id(pipe)] = pipeline
     else:
         setattr(pipe, _PIPELINE_ATTR, pipeline)
-        _guard_moves(pipe, pipeline)
+        replace_methods(pipe, pipeline)
     logger.info("offloaded pipeline %s: %s", type(pipe).__name__, ", ".join(components))
     return pipe
 
@@ -416,67 +424,6 @@ def release_pipeline(pipe: Any, device: Any = None) -> Any:
     if isinstance(pipe, Mapping):
         _MAPPINGS.pop(id(pipe), None)
     else:
-        for name in ("to", *_REFUSED_METHODS):
-            pipe.__dict__.pop(name, None)
+        restore_methods(pipe)
         delattr(pipe, _PIPELINE_ATTR)
     return pipe
-
-
-def _guard_moves(pipe: Any, pipeline: PipelineOffload) -> None:
-    """``pipe.to()`` runs through every component; one that refuses after others converted would leave a
-    half-converted pipeline. Check every component first: a no-op move goes through, a real one is
-    refused before anything changes. CPU-offload helpers of diffusers are refused outright."""
-    original_to = pipe.to
-
-    def to(*args: Any, **kwargs: Any) -> Any:
-        dtype, device = _move_target(args, kwargs)
-        for name, module in pipeline.components.items():
-            engine = pipeline.engine(name)
-            param = next(module.parameters())
-            if dtype is not None and dtype != param.dtype:
-                raise UnsupportedOperationError(
-                    f"pipe.to({dtype}) would convert the offloaded {name}, whose weights live in "
-                    "flextensor's host packs: nothing was converted; convert the pipeline before "
-                    "flextensor.offload(pipe), or flextensor.release(pipe) first"
-                )
-            if device is not None and not _same_device(torch.device(device), engine.runtime.device):
-                raise UnsupportedOperationError(
-                    f"pipe.to({str(device)!r}) would move the offloaded {name} off {engine.runtime.device}, "
-                    "where flextensor streams its weights: nothing was moved; call "
-                    "flextensor.release(pipe) first to move it"
-                )
-        return original_to(*args, **kwargs)
-
-    pipe.__dict__["to"] = to
-    for method in _REFUSED_METHODS:
-        if hasattr(pipe, method):
-            pipe.__dict__[method] = _refused(method)
-
-
-def _refused(method: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedOperationError(
-            f"pipe.{method}() on a pipeline flextensor offloads would move its components behind it; "
-            "flextensor already keeps the weights in host RAM and streams them, so drop the call (or "
-            "flextensor.release(pipe) first)"
-        )
-
-    return refuse
-
-
-def _same_device(requested: torch.device, actual: torch.device) -> bool:
-    return requested.type == actual.type and requested.index in (None, actual.index)
-
-
-def _move_target(args: tuple, kwargs: dict) -> tuple[torch.dtype | None, Any]:
-    """(dtype, device) of a ``pipe.to(...)`` call, each None when not given."""
-    dtype = kwargs.get("dtype")
-    device = kwargs.get("device")
-    for arg in args:
-        if isinstance(arg, torch.dtype):
-            dtype = arg
-        elif isinstance(arg, (str, torch.device, int)):
-            device = arg
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    return dtype, device
