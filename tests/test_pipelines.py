@@ -18,6 +18,7 @@ from flextensor.errors import (
 )
 from flextensor.host_store import pack_layout
 from flextensor.layout import minimal_arena_bytes
+from flextensor.pipeline_methods import CALL_END_METHOD, REFUSED_METHODS
 from flextensor.pipelines import default_unit_patterns, pipeline_of
 from flextensor.selection import select
 
@@ -123,7 +124,7 @@ def test_release_gives_back_a_plain_pipeline(reference: torch.Tensor) -> None:
     for module in modules_of(pipe).values():
         with pytest.raises(NotOffloadedError):
             flextensor.phase(module)
-    replaced = {"to", "maybe_free_model_hooks", "enable_model_cpu_offload", "enable_group_offload"}
+    replaced = {"to", CALL_END_METHOD, *REFUSED_METHODS}
     assert not replaced & set(pipe.__dict__), set(pipe.__dict__) & replaced
     assert torch.equal(run_wan_pipeline(pipe), reference)
 

@@ -40,7 +40,9 @@ Never across the end of a call of the pipeline (diffusers pipelines end ``__call
 the video on the device, and the caller may do anything before the next generation, all of it memory
 no plan counted. Laying the text encoder out there put 7 GB beside that work and took Wan2.2's peak to
 9.06 GB under an 8 GiB budget (H200, 2026-12-05); it also kept those 7 GB held between generations. A
-mapping of components has no call to watch: its runs are laid out ahead as they come.
+switch once seen across a call's end stays so (a call that raised never reached the method). A mapping
+of components has no call to watch, nor does a component you call yourself between calls (a
+``vae.decode`` after ``output_type="latent"``): their runs' successors are laid out ahead as they come.
 
 The memory of a layout ahead is taken with the copy stream current: PyTorch's caching allocator hands a
 stream only blocks freed on it, so the finishing component's queued compute can never see them written.
@@ -225,7 +227,11 @@ class PipelineOffload:
             self._run = (name, run[1] + 1)
         else:
             if run is not None:
-                self._runs[run[0]] = (run[1], name, self._call_ended)
+                # Once seen across a call's end, a switch stays so: a call that raised never reached
+                # maybe_free_model_hooks(), and the next one must not lay its first component out ahead.
+                known = self._runs.get(run[0])
+                across = self._call_ended or (known is not None and known[1] == name and known[2])
+                self._runs[run[0]] = (run[1], name, across)
             self._run = (name, 1)
         self._call_ended = False
         if name in self._last_run:
