@@ -129,6 +129,26 @@ def test_release_gives_back_a_plain_pipeline(reference: torch.Tensor) -> None:
     assert torch.equal(run_wan_pipeline(pipe), reference)
 
 
+@torch.no_grad()
+def test_release_puts_back_what_another_library_patched_on_the_instance(reference: torch.Tensor) -> None:
+    pipe = tiny_wan_pipeline()
+    calls: list[str] = []
+    original = pipe.maybe_free_model_hooks
+
+    def patched() -> None:
+        calls.append("patched")
+        original()
+
+    pipe.maybe_free_model_hooks = patched
+    flextensor.offload(pipe, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=tightest_budget(pipe)))
+    run_wan_pipeline(pipe)
+    assert calls == ["patched"]  # flextensor's watch runs it
+    flextensor.release(pipe)
+    assert pipe.__dict__["maybe_free_model_hooks"] is patched
+    assert torch.equal(run_wan_pipeline(pipe), reference)
+    assert calls == ["patched", "patched"]
+
+
 def test_patterns_name_their_component_and_others_get_their_repeated_blocks() -> None:
     pipe = offloaded_pipeline(include_patterns=["transformer.blocks.0"], gpu_memory_budget=None)
     assert flextensor.offload_units(pipe.transformer) == ["blocks.0"]

@@ -8,8 +8,8 @@
   the pipeline that a generation ended (see [Note: the next component ahead] in pipelines.py), then
   runs as before.
 
-Each replacement is an attribute of the instance (``pipe.__dict__``), so :func:`restore_methods` gives
-the class's methods back by removing them.
+Each replacement is an attribute of the instance (``pipe.__dict__``): :func:`restore_methods` removes
+them, and puts back what the instance held under those names before (another library's patch).
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ CALL_END_METHOD = "maybe_free_model_hooks"
 """What a diffusers pipeline calls last in ``__call__`` (its hook to reset CPU-offload hooks)."""
 
 
-def replace_methods(pipe: Any, pipeline: PipelineOffload) -> None:
-    """Guard ``pipe.to``, refuse the CPU-offload helpers and watch the end of each call (see above)."""
+def replace_methods(pipe: Any, pipeline: PipelineOffload) -> dict[str, Any]:
+    """Guard ``pipe.to``, refuse the CPU-offload helpers and watch the end of each call (see above).
+    Returns what the instance itself held under the replaced names, for :func:`restore_methods`."""
+    names = ("to", *REFUSED_METHODS, CALL_END_METHOD)
+    before = {name: pipe.__dict__[name] for name in names if name in pipe.__dict__}
     this = weakref.ref(pipeline)  # the pipe holds these; the pipeline holds the pipe
     pipe.__dict__["to"] = _guarded_to(pipe.to, this)
     for method in REFUSED_METHODS:
@@ -46,11 +49,13 @@ def replace_methods(pipe: Any, pipeline: PipelineOffload) -> None:
     call_end = getattr(pipe, CALL_END_METHOD, None)
     if callable(call_end):
         pipe.__dict__[CALL_END_METHOD] = _noting_call_end(call_end, this)
+    return before
 
 
-def restore_methods(pipe: Any) -> None:
+def restore_methods(pipe: Any, before: dict[str, Any]) -> None:
     for name in ("to", *REFUSED_METHODS, CALL_END_METHOD):
         pipe.__dict__.pop(name, None)
+    pipe.__dict__.update(before)
 
 
 def _noting_call_end(original: Callable[..., Any], pipeline: weakref.ref[PipelineOffload]) -> Any:

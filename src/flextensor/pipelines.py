@@ -214,6 +214,7 @@ class PipelineOffload:
         self._runs: dict[str, tuple[int, str, bool]] = {}
         self._call_ended = False  # the pipeline's __call__ ended since the last step (pipeline_methods.py)
         self.laid_out_ahead = 0  # times a component was laid out before its step (see the note)
+        self.replaced: dict[str, Any] = {}  # what the instance held under the names replaced (release)
 
     def engine(self, name: str) -> Any:
         from .api import engine_of
@@ -378,7 +379,7 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
         _MAPPINGS[id(pipe)] = pipeline
     else:
         setattr(pipe, _PIPELINE_ATTR, pipeline)
-        replace_methods(pipe, pipeline)
+        pipeline.replaced = replace_methods(pipe, pipeline)
     logger.info("offloaded pipeline %s: %s", type(pipe).__name__, ", ".join(components))
     return pipe
 
@@ -430,6 +431,6 @@ def release_pipeline(pipe: Any, device: Any = None) -> Any:
     if isinstance(pipe, Mapping):
         _MAPPINGS.pop(id(pipe), None)
     else:
-        restore_methods(pipe)
+        restore_methods(pipe, pipeline.replaced)
         delattr(pipe, _PIPELINE_ATTR)
     return pipe
