@@ -242,8 +242,28 @@ def reference_from_file(path: str, workload: str) -> dict[str, Any]:
             kept = ("method", "method_spec", "step_s", "output_sha256", "output_shape", "output_dtype")
             ref = {k: run.get(k) for k in kept}
             ref["method"] = f"{run['method']} ({Path(path).name})"
+            ref["gpu"] = (doc.get("link") or {}).get("gpu")
             return ref
     raise SystemExit(f"--reference {path}: no native run that finished")
+
+
+def reference_for_this_machine(
+    refs: list[dict[str, Any]], link: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The first of ``refs`` whose native ran on this machine's GPU model: kernels differ between models
+    (an H100's Wan2.2 frames are not an H200's), so a reference from another model would report every
+    method's output as differing, and its time is not this machine's."""
+    if not refs:
+        return None
+    gpu = (link or {}).get("gpu")
+    for ref in refs:
+        if ref.get("gpu") == gpu:
+            return ref
+    found = ", ".join(f"{r['method']} on {r.get('gpu') or 'no GPU'}" for r in refs)
+    raise SystemExit(
+        f"--reference: no native run on this machine's {gpu or 'device (no GPU)'} ({found}); run native "
+        "here, or pass a file from this GPU model too (--reference may be given once per model)"
+    )
 
 
 def order_methods(specs: list[str]) -> list[str]:
@@ -274,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--reference",
+        action="append",
+        default=[],
         help="an earlier result file of this workload whose native run is the reference, where this "
-        "invocation runs none (outputs compared by SHA-256)",
+        "invocation runs none (outputs compared by SHA-256); repeatable: the file from this machine's GPU "
+        "model is used, and none from it is an error",
     )
     p.add_argument("--jobs", type=int, default=1, help="methods at once after the reference (CPU only)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (0: default)")
@@ -308,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = order_methods([s for s in (args.methods.split(",") if args.methods else w.methods) if s.strip()])
     for s in specs:
         parse_method(s)  # fail on a typo now, not after minutes of other methods
-    file_ref = reference_from_file(args.reference, w.name) if args.reference else None
+    file_refs = [reference_from_file(path, w.name) for path in args.reference]
     if args.jobs > 1 and args.device.startswith("cuda"):
         p.error("--jobs > 1 only on cpu: GPU timings need the machine to themselves")
 
@@ -340,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
 
     doc["link"] = probe_link(args, tmp)
     save()
+    file_ref = reference_for_this_machine(file_refs, doc["link"])
     link = (doc["link"] or {}).get("h2d_pinned_GBps")
 
     def remaining() -> float:

@@ -5,9 +5,11 @@
 # PART=3: flextensor 0.5.0, diffusers' enable_model_cpu_offload (about 80 s a generation). Each method
 # builds the pipeline afresh (~45 s) and runs 1-3 warm-up generations and 2 timed ones (28 s natively);
 # ours takes about 220 s in all, native 250 s (2026-12-04 18:05).
-# REFERENCE=<a result file of PART=1 whose native run has an output digest, copied into the repo; the
-# first: benchmarks/results/wan22_pipeline-cuda-20261205-165450.json> compares PART=2 and 3 with that
-# native run (time, and output by SHA-256) instead of running native again: ~170 s saved per call.
+# REFERENCE=<result files of PART=1 whose native run has an output digest, copied into the repo,
+# space-separated> compares PART=2 and 3 with the native run of this machine's GPU model (time, and
+# output by SHA-256) instead of running native again: ~250 s saved per call. Outputs differ between GPU
+# models, so pass one per model: H200 benchmarks/results/wan22_pipeline-cuda-20261205-165450.json,
+# H100 benchmarks/results/h100/wan22_pipeline-cuda-20261205-182647.json.
 # METHODS overrides the part's list. PROFILE=1 profiles one more generation of each method and prints
 # flextensor's ranges (layouts, uploads, vacates at the switches; waits and prefetches in the steps).
 #   device tool: carry [".whl"], command: PART=1 bash scripts/gpu_pipeline_check.sh
@@ -22,7 +24,7 @@ esac
 methods=${METHODS:-$methods}
 if [ -n "${PROFILE:-}" ]; then export FLEXTENSOR_BENCH_PROFILE=summary; fi
 reference=()
-if [ -n "${REFERENCE:-}" ]; then reference=(--reference "$REFERENCE"); fi
+for file in ${REFERENCE:-}; do reference+=(--reference "$file"); done
 python3 -m benchmarks.run --workload wan22_pipeline --device cuda --out "$out" --deadline "${DEADLINE:-560}" --timeout 330 \
     --min-steps 2 --max-steps 2 --methods "$methods" "${reference[@]}" 2>&1 | tail -12
 python3 - "$out" <<'PY'

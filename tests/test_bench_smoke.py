@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is a folder of the repo, not an in
 
 from benchmarks.methods import parse_bytes, parse_method  # noqa: E402
 from benchmarks.report import format_table, render  # noqa: E402
-from benchmarks.run import launch, order_methods  # noqa: E402
+from benchmarks.run import launch, order_methods, reference_for_this_machine  # noqa: E402
 
 for _pkg in ("transformers", "diffusers", "accelerate", "safetensors"):
     pytest.importorskip(_pkg, reason=f"the benchmark workloads need {_pkg} (pip install -e '.[test]')")
@@ -221,6 +221,21 @@ def test_a_later_invocation_compares_with_native_from_an_earlier_file(
     assert found["same"]["output_sha256"] == native["output_sha256"]
     assert found["same"]["ratio_to_native"] == round(found["same"]["step_s"] / native["step_s"], 4)
     assert found["altered"]["output_match"] == "differs"
+
+
+def test_a_reference_is_taken_only_from_this_machines_gpu_model() -> None:
+    """Kernels differ between GPU models (an H100's Wan2.2 frames are not an H200's): of several
+    ``--reference`` files the one from this machine's model is used, and none from it is refused before
+    any method runs, rather than every output reported as differing."""
+    h200 = {"method": "native (a.json)", "gpu": "NVIDIA H200"}
+    h100 = {"method": "native (b.json)", "gpu": "NVIDIA H100 80GB HBM3"}
+    assert reference_for_this_machine([h200, h100], {"gpu": "NVIDIA H100 80GB HBM3"}) is h100
+    assert reference_for_this_machine([h200, h100], {"gpu": "NVIDIA H200"}) is h200
+    assert reference_for_this_machine([], {"gpu": "NVIDIA H200"}) is None
+    cpu = {"method": "native (c.json)", "gpu": None}
+    assert reference_for_this_machine([cpu], None) is cpu
+    with pytest.raises(SystemExit, match="no native run on this machine's NVIDIA H100 80GB HBM3"):
+        reference_for_this_machine([h200], {"gpu": "NVIDIA H100 80GB HBM3"})
 
 
 def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path: Path) -> None:
