@@ -255,6 +255,9 @@ def reference_for_this_machine(
     method's output as differing, and its time is not this machine's."""
     if not refs:
         return None
+    if link and link.get("error"):
+        why = link["error"]
+        raise SystemExit(f"--reference: this machine's GPU model is unknown (the link probe failed): {why}")
     gpu = (link or {}).get("gpu")
     for ref in refs:
         if ref.get("gpu") == gpu:

@@ -2,9 +2,12 @@
 # The whole-pipeline benchmark (wan22_pipeline: Wan2.2-T2V-A14B, 69 GB of random bf16 weights generated
 # on the GPU) in device calls of 10 minutes each. PART=1: native and ours under 8 GiB (the target, one
 # invocation). PART=2: ours without a budget under a 24 GiB cap, diffusers' pipeline-level group offload.
-# PART=3: flextensor 0.5.0, diffusers' enable_model_cpu_offload (about 80 s a generation). Each method
-# builds the pipeline afresh (~45 s) and runs 1-3 warm-up generations and 2 timed ones (28 s natively);
-# ours takes about 220 s in all, native 250 s (2026-12-04 18:05).
+# PART=3: flextensor 0.5.0, diffusers' enable_model_cpu_offload (87 s a generation on an H100). Each
+# method builds the pipeline afresh (~50 s) and runs 1-3 warm-up generations and 2 timed ones (28-30 s
+# natively); ours takes about 220 s in all, native 250 s, diffusers' group offload 300 s (2026-12-05,
+# H100). flextensor 0.5.0 learns for about 11 forwards of each expert (4 a generation), so about three
+# warm-up generations: give it a call of its own (METHODS=flextensor050), as model offload needs one
+# (METHODS=diffusers_model_offload, with --min-steps 1 it took 330 s in all).
 # REFERENCE=<result files of PART=1 whose native run has an output digest, copied into the repo,
 # space-separated> compares PART=2 and 3 with the native run of this machine's GPU model (time, and
 # output by SHA-256) instead of running native again: ~250 s saved per call. Outputs differ between GPU

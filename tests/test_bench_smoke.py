@@ -236,6 +236,8 @@ def test_a_reference_is_taken_only_from_this_machines_gpu_model() -> None:
     assert reference_for_this_machine([cpu], None) is cpu
     with pytest.raises(SystemExit, match="no native run on this machine's NVIDIA H100 80GB HBM3"):
         reference_for_this_machine([h200], {"gpu": "NVIDIA H100 80GB HBM3"})
+    with pytest.raises(SystemExit, match="GPU model is unknown"):
+        reference_for_this_machine([h200], {"error": "link probe failed (status 1)"})
 
 
 def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path: Path) -> None:
