@@ -25,6 +25,7 @@ from .config import OffloadConfig
 from .cuda_graphs import GraphCaptures
 from .device import Target, profiler_running
 from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryStep
+from .edit_session import EditSession
 from .errors import UnsupportedOperationError
 from .layout import provisional_arena_bytes
 from .learning import Learning, Phase
@@ -45,7 +46,6 @@ from .timeline import StepRecorder
 from .units import Placement, Unit
 from .weight_access import StreamedWeights
 from .weight_edits import (
-    EditSession,
     OutsideEdits,
     WeightWatch,
     guard_parameters,

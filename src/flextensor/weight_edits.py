@@ -4,9 +4,10 @@
 A streamed parameter views its unit's range of the device arena, which other units overwrite; the unit's
 host pack is the source of truth. An in-place write into such a parameter between forwards (peft's
 ``merge_adapter``, diffusers' ``fuse_lora``, ``weight.mul_()``) would land in whatever unit occupies those
-bytes now and be lost at the next reload. So edits are made inside ``flextensor.editing(model)``: on
-entry every streamed parameter gets a private device copy of its unit's weights (so a library may read
-and write any of them, in any order, as on a model without offload); on exit each parameter's value is
+bytes now and be lost at the next reload. So edits are made inside ``flextensor.editing(model)``: there a
+streamed unit's parameters get private device copies of its weights when first used, so a library may
+read and write any of them, in any order, as on a model without offload, within the memory the model may
+use (see [Note: editing within the budget] in edit_session.py); at the end each parameter's value is
 written back to its unit's pack (and to the device storage of a resident unit), the parameters view the
 arena again, and the arena's contents are forgotten so every unit reloads from its pack. Modules added
 inside units meanwhile (peft and diffusers LoRA layers) keep their new parameters resident on the device:
@@ -52,10 +53,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .edit_session import EditSession, FirstUse, working_set_for
 from .errors import NotOffloadedError, UnsupportedOperationError
-from .host_store import UnitPack
 from .tensor_subclasses import is_wrapper_subclass
-from .units import Placement, Unit, parameter_aliases
+from .units import Placement, Unit
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("flextensor")
 
 __all__ = [
-    "EditSession",
     "OutsideEdits",
     "WeightWatch",
     "editing",
@@ -86,7 +86,10 @@ def _check_data_access(param: nn.Parameter, what: str) -> None:
     if guard is None:
         return
     engine = guard[0]()
-    if engine is None or engine.editing is not None or engine.bracket.running:
+    if engine is not None and engine.editing is not None:
+        engine.editing.use(param)  # its unit gets copies (see [Note: editing within the budget])
+        return
+    if engine is None or engine.bracket.running:
         return
     if sys._getframe(2).f_globals.get("__name__", "").startswith("flextensor."):
         return  # flextensor's own plan-time code: it knows where the weights are
@@ -306,9 +309,10 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
     a model without offload: peft ``merge_adapter`` / ``unmerge_adapter``, diffusers ``fuse_lora`` /
     ``unfuse_lora``, ``load_state_dict``, ``weight.mul_()``. On exit the edited values are written back to
     the host packs and every later forward computes with them. Modules added meanwhile (LoRA layers) keep
-    their new parameters resident on the device. Needs device memory for every streamed weight while the
-    block runs; no forward may run inside it. A diffusers pipeline or a mapping of modules edits every
-    offloaded component.
+    their new parameters resident on the device. A streamed unit's weights come to the device when first
+    used and go back to its host pack when the memory the model may use is full (see [Note: editing
+    within the budget] in edit_session.py); no forward may run inside the block. A diffusers pipeline or
+    a mapping of modules edits every offloaded component.
     """
     from .api import engine_of
     from .pipelines import components_of
@@ -328,12 +332,14 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
     for engine in engines:  # before any session begins: nothing to undo
         _refuse_unwritable_packs(engine)
     sessions: list[EditSession] = []
+    working_set = working_set_for(engines)
     try:
         for engine in engines:
-            session = EditSession(engine)
-            session.begin()  # a refused or failed begin changed nothing: no end() for it
+            session = EditSession(engine, working_set)
+            session.begin()  # a refused begin changed nothing: no end() for it
             sessions.append(session)
-        yield model
+        with FirstUse(sessions):
+            yield model
     finally:
         errors = []
         for session in reversed(sessions):
@@ -370,143 +376,3 @@ def _refuse_unwritable_packs(engine: OffloadEngine) -> None:
             raise UnsupportedOperationError(
                 f"{len(names)} unit(s) of this model ({', '.join(names[:4])}) {why}"
             )
-
-
-class EditSession:
-    """One engine's weights made editable (:meth:`begin`) and written back (:meth:`end`)."""
-
-    def __init__(self, engine: OffloadEngine) -> None:
-        self.engine = engine
-        self._given: list[Unit] = []  # units whose parameters hold private copies
-
-    def begin(self) -> None:
-        engine = self.engine
-        if engine.bracket.running:
-            raise UnsupportedOperationError(
-                "flextensor.editing(model) cannot start inside a forward of the model; edit between forwards"
-            )
-        if engine.editing is not None:
-            raise UnsupportedOperationError("flextensor.editing(model) is already open for this model")
-        if engine.graphs.captured:
-            raise UnsupportedOperationError(
-                "a CUDA graph captured this model's arena addresses and contents; editing its weights would "
-                "leave the graph replaying stale ones: call flextensor.release(model), edit, offload again"
-            )
-        runtime = engine.runtime
-        runtime.synchronize()  # copies in flight may still write the arena
-        try:
-            with torch.inference_mode(False), torch.no_grad():
-                for unit in engine.units.values():
-                    if unit.resident:
-                        continue  # its parameters view storage of its own: edits stay there
-                    copies = [
-                        unit.kept(entry).to(runtime.device, copy=True) for _, _, entry in unit.parameters
-                    ]
-                    for (_, param, _), copy in zip(unit.parameters, copies, strict=True):
-                        param.data = copy
-                    self._given.append(unit)
-        except BaseException:
-            self._point_back(self._given)  # out of device memory part-way: nothing changed
-            raise
-        engine.editing = self
-
-    def end(self) -> None:
-        """Write every edited value back and view the arena again; raise for an edit that cannot be kept
-        (a new shape or dtype), after leaving that weight as it was."""
-        engine = self.engine
-        engine.editing = None
-        engine.outside_edits = OutsideEdits()  # the user made the edit whole, or accepts the model as it is
-        runtime = engine.runtime
-        runtime.synchronize()
-        names = parameter_aliases(engine.model)
-        refused: list[str] = []
-        with torch.inference_mode(False), torch.no_grad():
-            for unit in engine.units.values():
-                self._rename(unit, names)
-                for fqn, param, entry in unit.parameters:
-                    value = param.data
-                    if tuple(value.shape) != entry.shape or value.dtype != entry.dtype:
-                        refused.append(
-                            f"{fqn} ({tuple(value.shape)} {value.dtype}, was {entry.shape} {entry.dtype})"
-                        )
-                        continue
-                    self._write_back(unit, entry, value)
-                if unit.resident and unit.pack is not None:
-                    unit.pack.buffer.copy_(unit.storage)  # type: ignore[arg-type]
-        self._point_back(engine.units.values())
-        for unit in engine.units.values():
-            if unit.resident:
-                unit.storage_version = unit.weights_version()
-        engine.after_edit(self._added_parameters(names))
-        if refused:
-            raise UnsupportedOperationError(
-                f"an edit changed the shape or dtype of offloaded weights, which their host packs cannot "
-                f"hold: {', '.join(refused)}; those weights were put back as they were, but nothing else "
-                "the edit changed was undone (modules it replaced, the model's config: e.g. "
-                "resize_token_embeddings resizes the output layer and the config too), so the model may "
-                "no longer be consistent. Load it again (or call flextensor.release(model) and undo the "
-                "rest by hand), make the change before offload(), then offload"
-            )
-
-    def _rename(self, unit: Unit, names: dict[int, list[str]]) -> None:
-        """Follow the parameters of ``unit`` to their names now (a LoRA layer wraps a linear layer: its
-        weight becomes ``...base_layer.weight``; a tied weight keeps the name it had while that is still
-        one of its names); forget those no longer in the model."""
-        kept = []
-        for fqn, param, entry in unit.parameters:
-            now = names.get(id(param))
-            name = None if not now else fqn if fqn in now else now[0]
-            if name is None:
-                logger.info("offloaded parameter %s left the model while editing; no longer streamed", fqn)
-                self.engine.owner_of.pop(id(param), None)
-                unguard_parameter(param)
-                continue
-            kept.append((name, param, entry))
-            param.__dict__[_GUARD] = (param.__dict__[_GUARD][0], name)  # a unit's: its 2-tuple form
-        unit.parameters[:] = kept
-
-    def _write_back(self, unit: Unit, entry: object, value: torch.Tensor) -> None:
-        if unit.pack is not None:
-            if unit.pack.shared:
-                unit.pack = self._private_pack(unit)
-            unit.pack.view(entry).copy_(value)  # type: ignore[arg-type]
-        if unit.resident:
-            target = entry.view(unit.storage)  # type: ignore[attr-defined]
-            if target.data_ptr() != value.data_ptr():
-                target.copy_(value)
-
-    def _private_pack(self, unit: Unit) -> UnitPack:
-        """A pack of this process's own with ``unit``'s weights: edits never reach a segment that other
-        processes read (share_host_memory)."""
-        shared = unit.pack
-        assert shared is not None
-        pack = UnitPack(unit.name, unit.entries, unit.nbytes, self.engine.store.pin)
-        pack.buffer.copy_(shared.buffer)
-        shared.free()
-        logger.info("unit %s was edited: it keeps a private host copy instead of the shared one", unit.name)
-        return pack
-
-    def _point_back(self, units: Iterable[Unit]) -> None:
-        """Make the parameters of ``units`` view their device bytes again (or hold placeholders while
-        the units have none, until the next layout)."""
-        device = self.engine.runtime.device
-        for unit in units:
-            if unit.storage is not None:
-                unit.point_parameters()
-            else:
-                for _, param, entry in unit.parameters:
-                    param.data = torch.empty(0, dtype=entry.dtype, device=device)
-
-    def _added_parameters(self, names: dict[int, list[str]]) -> dict[str, str]:
-        """Parameters inside offload units that belong to no unit (added while editing): FQN -> why they
-        stay resident."""
-        engine = self.engine
-        streamed = {id(p) for u in engine.units.values() for _, p, _ in u.parameters}
-        added = {}
-        for unit in engine.units.values():
-            prefix = unit.name + "." if unit.name else ""
-            for name, param in unit.module.named_parameters():
-                fqn = prefix + name
-                if id(param) not in streamed and fqn not in engine.resident_reasons:
-                    added[fqn] = f"added inside unit {unit.name!r} after offload(); kept on the device"
-        return added

@@ -1,0 +1,188 @@
+"""``flextensor.editing`` within the memory the model may use (see [Note: editing within the budget] in
+edit_session.py): a streamed unit gets device copies only when used, the working set stays within its
+limit by writing units back to their packs, and nothing an edit wrote is lost on the way.
+
+Every model runs under the tightest budget (every unit streams), so the working set's limit is its floor,
+two of the largest units, and a merge over all layers must write units back as it goes. Outputs are
+compared bitwise with the same edit on the model without offload.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+import flextensor
+from engine_helpers import LEARN, run_forwards
+from flextensor.api import engine_of
+from flextensor.edit_session import EditSession, WorkingSet
+from real_models import llama_inputs, tiny_llama
+from streaming import streaming_config
+
+peft = pytest.importorskip("peft")
+
+
+def offloaded_llama(layers: int = 4, **fields: object) -> torch.nn.Module:
+    model = tiny_llama(layers=layers, tie=False)
+    flextensor.offload(model, streaming_config(model, **fields))
+    run_forwards(model, llama_inputs(), LEARN)
+    assert flextensor.status(model).phase == "inference" and not flextensor.status(model).resident
+    return model
+
+
+@contextmanager
+def editing_with_working_set(model: torch.nn.Module) -> Iterator[WorkingSet]:
+    with flextensor.editing(model):
+        session = engine_of(model).editing
+        assert session is not None
+        yield session.working_set
+
+
+def largest_unit_bytes(model: torch.nn.Module) -> int:
+    return max(u.nbytes for u in engine_of(model).units.values())
+
+
+def lora_config() -> object:
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+
+
+def test_a_merge_over_every_layer_holds_at_most_its_working_set_and_matches_the_plain_model() -> None:
+    x = llama_inputs()
+    native = tiny_llama(layers=4, tie=False)
+    torch.manual_seed(5)
+    native_peft = peft.get_peft_model(native, lora_config())
+    native_peft.merge_adapter()
+    expected = run_forwards(native_peft, x, 1)[0]
+    model = offloaded_llama()
+    torch.manual_seed(5)
+    peft_model = peft.get_peft_model(model, lora_config())
+    with editing_with_working_set(model) as working_set:
+        peft_model.merge_adapter()
+    assert working_set.limit_bytes == 2 * largest_unit_bytes(model)  # the floor: the budget is full
+    assert working_set.peak_bytes <= working_set.limit_bytes
+    assert working_set.written_back >= 2  # four layers through a set of two
+    assert all(torch.equal(out, expected) for out in run_forwards(peft_model, x, 3))
+
+
+def test_reading_shapes_dtypes_and_devices_gives_no_unit_copies() -> None:
+    model = offloaded_llama()
+    with editing_with_working_set(model) as working_set:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        shapes = {p.shape for p in model.parameters()} | {p.dtype for p in model.parameters()}
+        devices = {p.device for p in model.parameters()}
+        assert not working_set.live
+    assert total > 0 and shapes and devices == {torch.device("cpu")}
+    assert working_set.peak_bytes == 0
+
+
+@torch.no_grad()
+def test_a_view_held_across_other_layers_keeps_its_unit_and_its_write_is_not_lost() -> None:
+    """``w = p.data`` taken first, every other layer edited, then a write through ``w``: the unit stays
+    (its storage has a holder outside), so the write reaches the pack."""
+    x = llama_inputs()
+    native = tiny_llama(layers=4, tie=False)
+    model = offloaded_llama()
+    for m in (native, model):
+        with flextensor.editing(m) if m is model else torch.no_grad():
+            held = m.model.layers[0].mlp.up_proj.weight.data
+            for layer in m.model.layers[1:]:
+                layer.mlp.down_proj.weight.mul_(0.5)
+            held.mul_(3)
+            del held
+    expected = run_forwards(native, x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+
+@torch.no_grad()
+def test_a_unit_written_back_and_used_again_keeps_its_first_edit() -> None:
+    x = llama_inputs()
+    native = tiny_llama(layers=4, tie=False)
+    model = offloaded_llama()
+    for m in (native, model):
+        with flextensor.editing(m) if m is model else torch.no_grad():
+            for _ in range(2):  # the second pass reads layer 0 back from its edited pack
+                for layer in m.model.layers:
+                    layer.self_attn.q_proj.weight.add_(0.25)
+    expected = run_forwards(native, x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+
+def test_load_state_dict_within_the_working_set() -> None:
+    x = llama_inputs()
+    other = tiny_llama(layers=4, tie=False, seed=3)
+    expected = run_forwards(other, x, 1)[0]
+    model = offloaded_llama()
+    with editing_with_working_set(model) as working_set:
+        model.load_state_dict(other.state_dict())
+    assert working_set.peak_bytes <= working_set.limit_bytes and working_set.written_back >= 2
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+
+@torch.no_grad()
+def test_out_of_memory_while_copying_a_unit_in_writes_the_others_back_and_tries_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = llama_inputs()
+    native = tiny_llama(layers=4, tie=False)
+    model = offloaded_llama()
+    give = EditSession.give_copies
+    failed: list[int] = []
+
+    def give_copies(session: EditSession, unit: object) -> None:
+        if session.working_set.live and not failed:
+            failed.append(len(session.working_set.live))
+            raise torch.OutOfMemoryError("no room")
+        give(session, unit)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EditSession, "give_copies", give_copies)
+    for m in (native, model):
+        with editing_with_working_set(m) if m is model else torch.no_grad() as working_set:
+            m.model.layers[0].mlp.up_proj.weight.mul_(2)
+            m.model.layers[1].mlp.up_proj.weight.mul_(3)
+    assert failed == [1] and working_set.written_back == 1
+    expected = run_forwards(native, x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+
+@torch.no_grad()
+def test_only_the_units_an_edit_used_leave_the_shared_segment(shm: Path) -> None:
+    x = llama_inputs()
+    native = tiny_llama(layers=4, tie=False)
+    model = offloaded_llama(share_host_memory=True)
+    units = engine_of(model).units
+    assert all(u.pack is not None and u.pack.shared for u in units.values())
+    for m in (native, model):
+        with flextensor.editing(m) if m is model else torch.no_grad():
+            m.model.layers[2].mlp.up_proj.weight.mul_(2)
+            m.model.layers[3].mlp.up_proj.weight.sum()  # used, not changed
+    private = sorted(name for name, u in units.items() if not u.pack.shared)  # type: ignore[union-attr]
+    assert private == ["model.layers.2"]
+    expected = run_forwards(native, x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+    flextensor.release(model)
+
+
+@torch.no_grad()
+def test_a_write_from_another_thread_inside_editing_is_refused_at_the_end_not_lost_silently() -> None:
+    """The first-use mode is per thread: a write from another thread lands in the arena unseen. The end
+    of the block finds its version counter moved, raises, and the model keeps its unedited weights."""
+    x = llama_inputs()
+    expected = run_forwards(tiny_llama(layers=4, tie=False), x, 1)[0]
+    model = offloaded_llama()
+
+    def write() -> None:
+        with torch.no_grad():  # per thread, as the first-use mode is
+            model.model.layers[1].mlp.up_proj.weight.mul_(2)
+
+    writer = threading.Thread(target=write)
+    refused = pytest.raises(flextensor.UnsupportedOperationError, match=r"model\.layers\.1.*another thread")
+    with refused, flextensor.editing(model):
+        writer.start()
+        writer.join()
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
