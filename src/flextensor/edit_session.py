@@ -10,18 +10,24 @@ weight_edits.py), the whole unit gets private device copies of its weights, read
 library edits them as on a model without offload. Reading the shape, dtype or device of a weight that
 views its arena range is no use: the range has them.
 
-The copies live in a working set shared by every model the with-block opened (a pipeline's components):
-at most the device memory those models may use (their budget; without one, the device's share) less what
-their layouts hold, and at least two of their largest units, so a unit can be used beside the one before
-it. Past that, the unit used longest ago is written back to its pack and views its range again; its next
-use reads the edited pack. A unit is kept instead while anything outside holds a view of one of its
-weights (its storage's use count is above what the parameter and the session hold: a ``w = p.data`` kept
-across other layers), so that a write through that view is never lost; and while one of its weights has a
-new shape or dtype, which its pack cannot take (the with-block's end refuses it). A merge that goes
-through the layers in turn (peft ``merge_adapter``, diffusers ``fuse_lora``, ``load_state_dict``) so
-holds a few units at once; one that takes every weight first (``state_dict()`` inside the block) holds
-them all, as on a model without offload. A device out of memory while a unit is copied in writes back
-every unit it can, then tries once more.
+The copies live in a working set shared by every model the with-block opened (a pipeline's components): at
+most the device memory those models may use (their budget; without one, the device's share) less what their
+layouts hold, and at least their largest unit (the arena sits idle meanwhile, but its ranges are what the
+units not used view, so it stays). Past that, the unit used longest ago is written back to its pack and views
+its range again; its next use reads the edited pack. A unit is kept instead while anything outside holds a
+view of one of its weights (its storage's use count is above what the parameter and the session hold: a ``w =
+p.data`` kept across other layers), so that a write through that view is never lost; and while one of its
+weights has a new shape or dtype, which its pack cannot take (the with-block's end refuses it). A merge that
+goes through the layers in turn (peft ``merge_adapter``, diffusers ``fuse_lora``, ``load_state_dict``) so
+holds a few units at once; one that takes every weight first (``state_dict()`` inside the block) holds them
+all, as on a model without offload. A device out of memory while a unit is copied in writes back every unit
+it can, then tries once more.
+
+One torch call that takes weights of more units than the set holds (``torch.stack`` of every layer's, a
+foreach op, an optimizer's step) keeps them all until it has run: none is written back while the call
+still has to see it. A write that no use announced (from another thread than the one that opened the
+block, whose mode it is, or with torch function handling disabled) lands in the arena and is lost; the
+weights' version counters show it, and the block's end raises.
 
 At the block's end every unit still holding copies is written back, and every parameter views its device
 bytes again (or a placeholder, for a pipeline's component held on the host). Units never used are left
@@ -31,8 +37,10 @@ as they were: their packs are not written (a pack shared between processes stays
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,7 +96,11 @@ def _storage_uses(param: nn.Parameter) -> int:
     """How many tensors hold the storage ``param``'s value is in, as counted now (a constant more than
     the holders: what matters is the difference between two counts)."""
     value = _DATA.__get__(param)
-    return torch._C._storage_Use_Count(value.untyped_storage()._cdata)
+    storage = value.untyped_storage()  # one Python object per storage: one held outside is a holder too
+    return torch._C._storage_Use_Count(storage._cdata) + sys.getrefcount(storage)
+
+
+Key = tuple["EditSession", Unit]  # a unit of one session: the working set's entries
 
 
 class WorkingSet:
@@ -97,27 +109,31 @@ class WorkingSet:
 
     def __init__(self, limit_bytes: int | None) -> None:
         self.limit_bytes = limit_bytes
-        self.live: OrderedDict[tuple[EditSession, Unit], int] = OrderedDict()
+        self.live: OrderedDict[Key, int] = OrderedDict()
         self.held_bytes = 0
         self.peak_bytes = 0  # the most held at once (reported in the log, asserted by tests)
         self.written_back = 0  # units written back before the block's end
+        self._lock = threading.RLock()  # a .data read from another thread is a use too
 
-    def use(self, session: EditSession, unit: Unit) -> None:
+    def use(self, session: EditSession, unit: Unit, keep: Collection[Key] = ()) -> None:
+        """Give ``unit`` copies unless it has them, making room first; never write back a unit of
+        ``keep`` (the others the same call uses: it must see all of them)."""
         key = (session, unit)
-        if key in self.live:
-            self.live.move_to_end(key)
-            return
-        self._make_room(unit.nbytes, keep=None)
-        try:
-            session.give_copies(unit)
-        except torch.OutOfMemoryError:
-            self._make_room(None, keep=None)  # everything that can go, then once more
-            session.give_copies(unit)
-        self.live[key] = unit.nbytes
-        self.held_bytes += unit.nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        with self._lock:
+            if key in self.live:
+                self.live.move_to_end(key)
+                return
+            self._make_room(unit.nbytes, keep)
+            try:
+                session.give_copies(unit)
+            except torch.OutOfMemoryError:
+                self._make_room(None, keep)  # everything that can go, then once more
+                session.give_copies(unit)
+            self.live[key] = unit.nbytes
+            self.held_bytes += unit.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def _make_room(self, nbytes: int | None, keep: tuple[EditSession, Unit] | None) -> None:
+    def _make_room(self, nbytes: int | None, keep: Collection[Key]) -> None:
         """Write back units, longest unused first, until ``nbytes`` more fit the limit (None: all)."""
         if nbytes is not None and (self.limit_bytes is None or self.held_bytes + nbytes <= self.limit_bytes):
             return
@@ -125,7 +141,7 @@ class WorkingSet:
             if nbytes is not None and self.held_bytes + nbytes <= self.limit_bytes:  # type: ignore[operator]
                 return
             session, unit = key
-            if key != keep and session.take_copies_back(unit):
+            if key not in keep and session.take_copies_back(unit):
                 self.held_bytes -= self.live.pop(key)
                 self.written_back += 1
 
@@ -136,14 +152,14 @@ class WorkingSet:
 
 def working_set_for(engines: Sequence[OffloadEngine]) -> WorkingSet:
     """The working set of one with-block over ``engines``: what they may use on the device less what
-    their layouts hold, at least two of their largest streamed units; no limit when one of them has none
+    their layouts hold, at least their largest streamed unit; no limit when one of them has none
     (a CPU without a budget)."""
     limits = [engine.policy.memory_limit() for engine in engines]
     if not engines or any(limit is None for limit in limits):
         return WorkingSet(None)
     held = sum(engine.store.device_bytes_held() for engine in engines)
     largest = max((u.nbytes for e in engines for u in e.units.values() if not u.resident), default=0)
-    return WorkingSet(max(max(limits) - held, 2 * largest))  # type: ignore[type-var]
+    return WorkingSet(max(max(limits) - held, largest))  # type: ignore[type-var]
 
 
 class FirstUse(TorchFunctionMode):
@@ -157,10 +173,17 @@ class FirstUse(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         metadata_only = _reads_metadata_only(func)
-        for leaf in tree_leaves((args, kwargs)):
-            session = self._sessions.get(id(leaf)) if isinstance(leaf, nn.Parameter) else None
-            if session is not None:
-                session.use(leaf, metadata_only)
+        used = [
+            (self._sessions[id(leaf)], leaf)
+            for leaf in tree_leaves((args, kwargs))
+            if isinstance(leaf, nn.Parameter) and id(leaf) in self._sessions
+        ]
+        if used:
+            # One call may take weights of more units than the working set holds (torch.stack of every
+            # layer's, a foreach op): none of them goes back before the call has run.
+            keep = {key for session, param in used if (key := session.key_of(param)) is not None}
+            for session, param in used:
+                session.use(param, metadata_only, keep)
         return func(*args, **kwargs)
 
 
@@ -174,6 +197,7 @@ class EditSession:
         self._unit_of: dict[int, Unit] = {}  # id of each streamed parameter -> its unit
         self._copies: dict[Unit, list[tuple[torch.Tensor, int]]] = {}  # unit -> (copy, its storage uses)
         self._resting: dict[Unit, int] = {}  # streamed unit -> its weights' version while it holds no copies
+        self._unseen: list[str] = []  # units written unseen before they got copies
 
     def streamed_parameters(self) -> list[nn.Parameter]:
         return [p for u in self.engine.units.values() if not u.resident for _, p, _ in u.parameters]
@@ -198,15 +222,22 @@ class EditSession:
                 self._resting[unit] = unit.weights_version()
         engine.editing = self
 
-    def use(self, param: nn.Parameter, metadata_only: bool = False) -> None:
-        """``param`` is about to be used: give its unit copies (if it is a streamed one's). A read of its
-        shape, dtype or device is no use while it views its arena range, which has them."""
+    def key_of(self, param: nn.Parameter) -> Key | None:
+        unit = self._unit_of.get(id(param))
+        return None if unit is None else (self, unit)
+
+    def use(self, param: nn.Parameter, metadata_only: bool = False, keep: Collection[Key] = ()) -> None:
+        """``param`` is about to be used: give its unit copies (if it is a streamed one's), writing back
+        none of ``keep``. A read of its shape, dtype or device is no use while it views its arena range,
+        which has them."""
         unit = self._unit_of.get(id(param))
         if unit is not None and not (metadata_only and unit.storage is not None):
             with torch._C.DisableTorchFunction():  # the session's own reads and writes are no uses
-                self.working_set.use(self, unit)
+                self.working_set.use(self, unit, keep)
 
     def give_copies(self, unit: Unit) -> None:
+        if unit.weights_version() != self._resting[unit]:
+            self._unseen.append(unit.name)  # written in its arena range unseen: lost, refused at the end
         device = self.engine.runtime.device
         with torch.inference_mode(False), torch.no_grad():
             copies = [unit.kept(entry).to(device, copy=True) for _, _, entry in unit.parameters]
@@ -248,9 +279,8 @@ class EditSession:
         refused: list[str] = []
         # Written in place without a use seen (another thread, torch function handling disabled): the
         # write went to the arena, which the end forgets.
-        unseen = [
-            u.name for u, v in self._resting.items() if u not in self._copies and u.weights_version() != v
-        ]
+        resting = [(u, v) for u, v in self._resting.items() if u not in self._copies]
+        unseen = self._unseen + [u.name for u, version in resting if u.weights_version() != version]
         with torch.inference_mode(False), torch.no_grad():
             for unit in list(engine.units.values()):
                 self._rename(unit, names)
