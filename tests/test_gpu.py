@@ -225,11 +225,23 @@ def test_peft_merge_in_editing_on_cuda_is_bitwise_and_kept_in_the_pinned_host_co
     with torch.no_grad():
         for _ in range(4):
             peft_model(inputs)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         with flextensor.editing(model):
+            session = engine_of(model).editing
+            assert session is not None
             peft_model.merge_adapter()
+        grew = torch.cuda.max_memory_allocated() - before
         outs = [peft_model(inputs).logits for _ in range(3)]
     assert flextensor.status(model).streamed
     assert all(torch.equal(out, ref) for out in outs)
+    # Within the budget (see [Note: editing within the budget]): a few layers' copies at a time, and one
+    # layer's worth of peft's temporaries (its delta weights).
+    working_set = session.working_set
+    largest = max(u.nbytes for u in engine_of(model).units.values())
+    assert working_set.written_back > 0 and working_set.peak_bytes <= working_set.limit_bytes  # type: ignore[operator]
+    assert grew <= working_set.limit_bytes + largest, (grew, working_set.limit_bytes)  # type: ignore[operator]
     # Released, not left to the garbage collector: peft's wrappers hold the model in reference cycles, and
     # its 95 MiB on the device counted against the next test's budget until a collection ran.
     flextensor.release(model)
