@@ -347,3 +347,31 @@ def test_data_of_a_weight_outside_every_unit_stays_readable_and_writable_between
     assert torch.equal(run_forwards(model, x, 1)[0], run_forwards(native, x, 1)[0])
     flextensor.release(model)
     assert type(layer.weight) is torch.nn.Parameter and torch.equal(layer.weight.data, before * 2)
+
+
+@pytest.mark.parametrize("exclude", [(), ("model.layers.0",)], ids=["streamed", "a layer on the device"])
+def test_a_dora_adapter_added_and_merged_in_editing_matches_the_model_without_offload(exclude: tuple) -> None:
+    """DoRA reads each base weight to set its magnitude when it is added: outside editing that read is
+    refused and says where to add it; inside, adding, running and merging are bitwise."""
+
+    def dora() -> object:
+        targets = ["q_proj", "v_proj", "up_proj"]
+        return peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False, use_dora=True)
+
+    x = llama_inputs()
+    native, model, outside = (tiny_llama(layers=3, tie=False) for _ in range(3))
+    for m in (model, outside):
+        flextensor.offload(m, streaming_config(m, exclude=list(exclude)))
+        run_forwards(m, x, LEARN)
+    with pytest.raises(flextensor.UnsupportedOperationError, match="use_dora=True"):
+        peft.get_peft_model(outside, dora())
+    torch.manual_seed(5)
+    native_peft = peft.get_peft_model(native, dora())
+    torch.manual_seed(5)
+    with flextensor.editing(model):
+        peft_model = peft.get_peft_model(model, dora())
+    assert torch.equal(run_forwards(peft_model, x, 2)[-1], run_forwards(native_peft, x, 1)[0])
+    native_peft.merge_adapter()
+    with flextensor.editing(model):
+        peft_model.merge_adapter()
+    assert torch.equal(run_forwards(peft_model, x, 2)[-1], run_forwards(native_peft, x, 1)[0])

@@ -103,8 +103,10 @@ def _check_data_access(param: nn.Parameter, what: str) -> None:
         f"{what} {guard[1]}.data of an offloaded model between forwards: the weight views a device range "
         "that other units' weights overwrite, so it may hold another unit's bytes and a write there would "
         "be lost. Make edits (peft merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora, "
-        "weight.data changes) inside `with flextensor.editing(model): ...`; read weights from "
-        "model.state_dict()" + (f"; {edits.unsettled_text()}" if edits.unsettled else "")
+        "weight.data changes) inside `with flextensor.editing(model): ...`, and set up there what reads "
+        "the base weights (a peft DoRA adapter, use_dora=True: `with flextensor.editing(model): "
+        "peft_model = get_peft_model(model, config)`); read weights from model.state_dict()"
+        + (f"; {edits.unsettled_text()}" if edits.unsettled else "")
     )
 
 
