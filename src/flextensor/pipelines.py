@@ -16,7 +16,7 @@ out as long as both fit.
 
 Patterns name the component first (``transformer.blocks.*``, ``vae.decoder.up_blocks.*``); ``class:``
 patterns apply to every component that has such a module. A component no include pattern names gets
-its repeated blocks as units (:func:`default_unit_patterns`).
+its repeated blocks, and the rest of its weights, as units (:func:`default_unit_patterns`).
 
 ``save_profile(pipe, path)`` writes one file with every component's profile (see pipeline_profile.py);
 ``OffloadConfig(profile=path)`` given to the pipeline's offload starts every component in steady state.
@@ -93,38 +93,55 @@ def components_of(pipe: object) -> dict[str, nn.Module] | None:
 
 
 def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
-    """The repeated blocks of ``module``: the children of each outermost ``nn.ModuleList`` whose children
+    """The repeated blocks of ``module``, the children of each outermost ``nn.ModuleList`` whose children
     hold parameters (a transformer's blocks, a text encoder's layers, a VAE's down and up blocks, the one
-    block of LTX-2's connectors); ``("*",)`` when it has none (see docs/patterns.md for what ``*`` selects).
+    block of LTX-2's connectors), and the rest of its weights in the largest modules that hold no block
+    (a transformer's embedders and output layer, a text encoder's token embedding and final norm, a VAE's
+    input and output convolutions); ``("*",)`` when it has no blocks (see docs/patterns.md for what ``*``
+    selects).
 
-    A module outside the blocks that holds more weights itself than the largest block is a unit too: a
-    text encoder's token embedding (UMT5-XXL's is 2.1 GB, a layer 0.39 GB) would otherwise stay on the
-    device through every other component's phase."""
+    The rest are units so that a pipeline's component gives back every weight between its phases, not
+    only its blocks': Wan2.2's embedders and output layers are 0.45 GB an expert, and a text encoder's
+    token embedding can outweigh its layers (UMT5-XXL's is 2.1 GB, a layer 0.39 GB). Only weights the
+    component's own module holds (a scale table on the transformer itself) stay on the device."""
     found: list[str] = []
-    largest_block = 0
     for path, child in module.named_modules():
         if not path or not isinstance(child, nn.ModuleList):
             continue
         if any(path.startswith(outer + ".") for outer in found):
             continue  # inside a block already found
-        blocks = [c for c in child.children() if next(c.parameters(), None) is not None]
-        if blocks:  # one block is a unit too: descending into it would cut it into its layers
-            found.append(path)
-            largest_block = max(largest_block, *(_nbytes(b.parameters()) for b in blocks))
+        if any(next(c.parameters(), None) is not None for c in child.children()):
+            found.append(path)  # one block is a unit too: descending into it would cut it into its layers
     if not found:
         return ("*",)
-    # Weights tied between modules (UMT5's `shared` and `encoder.embed_tokens`) count once, under the
-    # deepest module holding them: the holder on top is kept for the tie, the nested one is what runs.
-    large: dict[int, str] = {}
-    for path, child in module.named_modules():
-        if not path or any(path == outer or path.startswith(outer + ".") for outer in found):
-            continue
-        own = list(child.parameters(recurse=False))
-        if own and _nbytes(own) > largest_block:
-            key = id(own[0])
-            if key not in large or path.count(".") > large[key].count("."):
-                large[key] = path
-    return (*(f"{path}.*" for path in found), *large.values())
+    rest: list[str] = []
+
+    def collect(prefix: str, parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            path = f"{prefix}{name}"
+            if path in found:
+                continue
+            if any(outer.startswith(path + ".") for outer in found):
+                collect(path + ".", child)  # holds blocks: its other children are the rest
+            elif next(child.parameters(), None) is not None:
+                rest.append(path)
+
+    collect("", module)
+    return (*(f"{path}.*" for path in found), *_deepest_holders(module, rest))
+
+
+def _deepest_holders(module: nn.Module, paths: list[str]) -> list[str]:
+    """``paths`` less those whose every weight another of them holds deeper, or a block holds: weights
+    tied between modules (UMT5's ``shared`` and ``encoder.embed_tokens``) stream with the nested module,
+    which is the one that runs, and the holder on top becomes its alias (see [Note: tied aliases] in
+    discovery.py); two units holding one weight would keep it on the device."""
+    holder: dict[int, str] = {}
+    for path in paths:
+        for param in module.get_submodule(path).parameters():
+            known = holder.get(id(param))
+            if known is None or path.count(".") > known.count("."):
+                holder[id(param)] = path
+    return [path for path in paths if path in holder.values()]
 
 
 def _nbytes(params: Any) -> int:
