@@ -16,7 +16,7 @@ out as long as both fit.
 
 Patterns name the component first (``transformer.blocks.*``, ``vae.decoder.up_blocks.*``); ``class:``
 patterns apply to every component that has such a module. A component no include pattern names gets
-its repeated blocks, and the rest of its weights, as units (:func:`default_unit_patterns`).
+its repeated blocks, and the large modules among the rest, as units (:func:`default_unit_patterns`).
 
 ``save_profile(pipe, path)`` writes one file with every component's profile (see pipeline_profile.py);
 ``OffloadConfig(profile=path)`` given to the pipeline's offload starts every component in steady state.
@@ -92,26 +92,37 @@ def components_of(pipe: object) -> dict[str, nn.Module] | None:
     return {name: m for name, m in components.items() if isinstance(m, nn.Module)}
 
 
+REST_UNIT_FRACTION = 8
+"""A module outside a component's blocks is a unit when it holds at least 1/8 of the largest block's
+weights: those are what a phase's budget misses (a Wan2.2 expert's ``condition_embedder``, 0.45 GB beside
+0.68 GB blocks; a text encoder's token embedding). The smaller ones (Wan's ``patch_embedding`` and
+``proj_out``, 0.6 MB each; norms, scale tables, a VAE's convolutions) hold too little to matter together,
+cost a hook call per forward each, and are the modules most often read directly rather than called, which
+a unit first read that way on a later code path would answer with another unit's bytes."""
+
+
 def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
     """The repeated blocks of ``module``, the children of each outermost ``nn.ModuleList`` whose children
     hold parameters (a transformer's blocks, a text encoder's layers, a VAE's down and up blocks, the one
-    block of LTX-2's connectors), and the rest of its weights in the largest modules that hold no block
-    (a transformer's embedders and output layer, a text encoder's token embedding and final norm, a VAE's
-    input and output convolutions); ``("*",)`` when it has no blocks (see docs/patterns.md for what ``*``
+    block of LTX-2's connectors), and the large modules among the rest: those that hold no block and at
+    least :data:`REST_UNIT_FRACTION` of the largest block's weights (a transformer's embedders, a text
+    encoder's token embedding); ``("*",)`` when it has no blocks (see docs/patterns.md for what ``*``
     selects).
 
-    The rest are units so that a pipeline's component gives back every weight between its phases, not
-    only its blocks': Wan2.2's embedders and output layers are 0.45 GB an expert, and a text encoder's
-    token embedding can outweigh its layers (UMT5-XXL's is 2.1 GB, a layer 0.39 GB). Only weights the
-    component's own module holds (a scale table on the transformer itself) stay on the device."""
+    The large ones are units so that a pipeline's component gives them back between its phases: Wan2.2's
+    condition embedders are 0.45 GB an expert, and a text encoder's token embedding can outweigh its
+    layers (UMT5-XXL's is 2.1 GB, a layer 0.39 GB)."""
     found: list[str] = []
+    largest_block = 0
     for path, child in module.named_modules():
         if not path or not isinstance(child, nn.ModuleList):
             continue
         if any(path.startswith(outer + ".") for outer in found):
             continue  # inside a block already found
-        if any(next(c.parameters(), None) is not None for c in child.children()):
-            found.append(path)  # one block is a unit too: descending into it would cut it into its layers
+        blocks = [c for c in child.children() if next(c.parameters(), None) is not None]
+        if blocks:  # one block is a unit too: descending into it would cut it into its layers
+            found.append(path)
+            largest_block = max(largest_block, *(_nbytes(b.parameters()) for b in blocks))
     if not found:
         return ("*",)
     rest: list[str] = []
@@ -123,7 +134,7 @@ def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
                 continue
             if any(outer.startswith(path + ".") for outer in found):
                 collect(path + ".", child)  # holds blocks: its other children are the rest
-            elif next(child.parameters(), None) is not None:
+            elif REST_UNIT_FRACTION * _nbytes(child.parameters()) >= largest_block:
                 rest.append(path)
 
     collect("", module)
@@ -131,10 +142,10 @@ def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
 
 
 def _deepest_holders(module: nn.Module, paths: list[str]) -> list[str]:
-    """``paths`` less those whose every weight another of them holds deeper, or a block holds: weights
-    tied between modules (UMT5's ``shared`` and ``encoder.embed_tokens``) stream with the nested module,
-    which is the one that runs, and the holder on top becomes its alias (see [Note: tied aliases] in
-    discovery.py); two units holding one weight would keep it on the device."""
+    """``paths`` less those whose every weight another of them holds deeper: weights tied between modules
+    (UMT5's ``shared`` and ``encoder.embed_tokens``) stream with the nested module, which is the one that
+    runs, and the holder on top becomes its alias (see [Note: tied aliases] in discovery.py); two units
+    holding one weight would keep it on the device."""
     holder: dict[int, str] = {}
     for path in paths:
         for param in module.get_submodule(path).parameters():
