@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 
 from .errors import UnsupportedOperationError
 from .host_store import UnitPack
+from .sizes import format_bytes
 from .units import Unit, parameter_aliases
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class WorkingSet:
         self.limit_bytes = limit_bytes
         self.live: OrderedDict[Key, int] = OrderedDict()
         self.held_bytes = 0
-        self.peak_bytes = 0  # the most held at once (reported in the log, asserted by tests)
+        self.peak_bytes = 0  # the most held at once (logged at the block's end)
         self.written_back = 0  # units written back before the block's end
         self._lock = threading.RLock()  # a .data read from another thread is a use too
 
@@ -144,6 +145,16 @@ class WorkingSet:
             if key not in keep and session.take_copies_back(unit):
                 self.held_bytes -= self.live.pop(key)
                 self.written_back += 1
+
+    def log_summary(self) -> None:
+        limit = "no limit" if self.limit_bytes is None else f"limit {format_bytes(self.limit_bytes)}"
+        logger.info(
+            "editing held at most %s of weight copies on the device (%s); %d unit(s) written back before "
+            "the end",
+            format_bytes(self.peak_bytes),
+            limit,
+            self.written_back,
+        )
 
     def forget(self, session: EditSession) -> None:
         for key in [k for k in self.live if k[0] is session]:

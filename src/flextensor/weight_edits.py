@@ -349,6 +349,8 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
                 session.end()
             except Exception as exc:  # finish every component, then raise the first failure
                 errors.append(exc)
+        if sessions:
+            working_set.log_summary()
         if errors:
             raise errors[0]
 
