@@ -10,7 +10,7 @@ bitwise with the same edit on the model without offload.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,6 +45,19 @@ def editing_with_working_set(model: torch.nn.Module) -> Iterator[WorkingSet]:
 
 def largest_unit_bytes(model: torch.nn.Module) -> int:
     return max(u.nbytes for u in engine_of(model).units.values())
+
+
+def assert_edits_alike(edit: Callable[[torch.nn.Module], None], model: torch.nn.Module | None = None) -> None:
+    """``edit`` on the model without offload and inside editing on ``model`` (offloaded, every unit
+    streamed): the forwards after it are bitwise alike."""
+    x = llama_inputs()
+    native, model = tiny_llama(layers=4, tie=False), model if model is not None else offloaded_llama()
+    with torch.no_grad():
+        edit(native)
+        with flextensor.editing(model):
+            edit(model)
+    expected = run_forwards(native, x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
 
 
 def lora_config() -> object:
@@ -85,32 +98,24 @@ def test_reading_shapes_dtypes_and_devices_gives_no_unit_copies() -> None:
 def test_a_view_held_across_other_layers_keeps_its_unit_and_its_write_is_not_lost() -> None:
     """``w = p.data`` taken first, every other layer edited, then a write through ``w``: the unit stays
     (its storage has a holder outside), so the write reaches the pack."""
-    x = llama_inputs()
-    native = tiny_llama(layers=4, tie=False)
-    model = offloaded_llama()
-    for m in (native, model):
-        with flextensor.editing(m) if m is model else torch.no_grad():
-            held = m.model.layers[0].mlp.up_proj.weight.data
-            for layer in m.model.layers[1:]:
-                layer.mlp.down_proj.weight.mul_(0.5)
-            held.mul_(3)
-            del held
-    expected = run_forwards(native, x, 1)[0]
-    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+    def edit(m: torch.nn.Module) -> None:
+        held = m.model.layers[0].mlp.up_proj.weight.data
+        for layer in m.model.layers[1:]:
+            layer.mlp.down_proj.weight.mul_(0.5)
+        held.mul_(3)
+
+    assert_edits_alike(edit)
 
 
 @torch.no_grad()
 def test_a_unit_written_back_and_used_again_keeps_its_first_edit() -> None:
-    x = llama_inputs()
-    native = tiny_llama(layers=4, tie=False)
-    model = offloaded_llama()
-    for m in (native, model):
-        with flextensor.editing(m) if m is model else torch.no_grad():
-            for _ in range(2):  # the second pass reads layer 0 back from its edited pack
-                for layer in m.model.layers:
-                    layer.self_attn.q_proj.weight.add_(0.25)
-    expected = run_forwards(native, x, 1)[0]
-    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+    def edit(m: torch.nn.Module) -> None:
+        for _ in range(2):  # the second pass reads layer 0 back from its edited pack
+            for layer in m.model.layers:
+                layer.self_attn.q_proj.weight.add_(0.25)
+
+    assert_edits_alike(edit)
 
 
 def test_load_state_dict_within_the_working_set() -> None:
@@ -154,19 +159,16 @@ def test_out_of_memory_while_copying_a_unit_in_writes_the_others_back_and_tries_
 
 @torch.no_grad()
 def test_only_the_units_an_edit_used_leave_the_shared_segment(shm: Path) -> None:
-    x = llama_inputs()
-    native = tiny_llama(layers=4, tie=False)
+    def edit(m: torch.nn.Module) -> None:
+        m.model.layers[2].mlp.up_proj.weight.mul_(2)
+        m.model.layers[3].mlp.up_proj.weight.sum()  # used, not changed
+
     model = offloaded_llama(share_host_memory=True)
     units = engine_of(model).units
     assert all(u.pack is not None and u.pack.shared for u in units.values())
-    for m in (native, model):
-        with flextensor.editing(m) if m is model else torch.no_grad():
-            m.model.layers[2].mlp.up_proj.weight.mul_(2)
-            m.model.layers[3].mlp.up_proj.weight.sum()  # used, not changed
+    assert_edits_alike(edit, model)
     private = sorted(name for name, u in units.items() if not u.pack.shared)  # type: ignore[union-attr]
     assert private == ["model.layers.2"]
-    expected = run_forwards(native, x, 1)[0]
-    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
     flextensor.release(model)
 
 
@@ -211,14 +213,7 @@ def _sgd_foreach(m: torch.nn.Module) -> None:
 @torch.no_grad()
 def test_one_call_over_more_units_than_the_working_set_sees_them_all(edit: object) -> None:
     """Found by review: making room for a call's later weights wrote back its earlier ones before it ran."""
-    x = llama_inputs()
-    native = tiny_llama(layers=4, tie=False)
-    model = offloaded_llama()
-    edit(native)  # type: ignore[operator]
-    with flextensor.editing(model):
-        edit(model)  # type: ignore[operator]
-    expected = run_forwards(native, x, 1)[0]
-    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+    assert_edits_alike(edit)  # type: ignore[arg-type]
 
 
 @torch.no_grad()
@@ -236,15 +231,11 @@ def test_an_unseen_write_to_a_unit_used_later_in_the_block_is_refused_not_lost()
 @torch.no_grad()
 def test_a_held_storage_object_keeps_its_unit() -> None:
     """Found by review: a Python storage object held outside did not count as a holder."""
-    x = llama_inputs()
-    native = tiny_llama(layers=4, tie=False)
-    model = offloaded_llama()
-    for m in (native, model):
-        with flextensor.editing(m) if m is model else torch.no_grad():
-            storage = m.model.layers[0].mlp.up_proj.weight.untyped_storage()
-            for layer in m.model.layers[1:]:
-                layer.mlp.down_proj.weight.mul_(0.5)
-            torch.empty(0).set_(storage).add_(1.0)
-            del storage
-    expected = run_forwards(native, x, 1)[0]
-    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+    def edit(m: torch.nn.Module) -> None:
+        storage = m.model.layers[0].mlp.up_proj.weight.untyped_storage()
+        for layer in m.model.layers[1:]:
+            layer.mlp.down_proj.weight.mul_(0.5)
+        torch.empty(0).set_(storage).add_(1.0)
+
+    assert_edits_alike(edit)
