@@ -3,10 +3,10 @@
 The engine owns the units, the device store (slots.py), the hooks (hooks.py) and the plan cache. At the
 start of each outermost forward it picks the forward's driver (discovery.py, profiling.py, steady.py),
 which the unit hooks call; at its end it hands what the driver learned to the next phase (learning.py
-counts the forwards and keeps the samples; plan_states.py makes, lays out and switches the plans). Every
-phase change goes through :meth:`OffloadEngine._enter`, which also decides which units carry hooks. How
-streamed weights look to ``state_dict``, conversions and ``release`` is weight_access.py's; in-place
-edits are weight_edits.py's.
+counts the forwards and keeps the samples; forward_ends.py closes each driver; plan_states.py makes, lays
+out and switches the plans). Every phase change goes through :meth:`OffloadEngine._enter`, which also
+decides which units carry hooks. How streamed weights look to ``state_dict``, conversions and
+``release`` is weight_access.py's; in-place edits are weight_edits.py's.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from .autograd_guard import StreamedWeightGuard
 from .config import OffloadConfig
 from .cuda_graphs import GraphCaptures
 from .device import Target, profiler_running
-from .discovery import BehaviourChecks, CheckedStep, DiscoveryResult, DiscoveryStep
+from .discovery import BehaviourChecks, CheckedStep, DiscoveryStep
 from .edit_session import EditSession
 from .errors import UnsupportedOperationError
+from .forward_ends import ForwardEnds
 from .layout import provisional_arena_bytes
 from .learning import Learning, Phase
 from .measurements import LinkModel
 from .plan_policy import PlanEntry, PlanPolicy
-from .plan_states import PlanStates
-from .profiling import ProfilingStep, sample_from_timeline
+from .profiling import ProfilingStep
 from .slots import DeviceStore
 from .status import OffloadStatus, status_of
 from .steady import (
@@ -58,7 +58,7 @@ logger = logging.getLogger("flextensor")
 __all__ = ["OffloadEngine", "Phase"]
 
 
-class OffloadEngine(PlanStates):
+class OffloadEngine(ForwardEnds):
     """Owns one offloaded model's units, store, phase, plans and hooks. Built by ``flextensor.offload``."""
 
     def __init__(
@@ -314,107 +314,6 @@ class OffloadEngine(PlanStates):
                 self.watch.arm(self.units.values(), accept=True)  # the forward's own counter bumps
         if error is None and self.after_step is not None and not self.graphs.capturing():
             self.after_step(self)  # a pipeline lays its next component out ahead (pipelines.py)
-
-    def _end_forward(self, error: type[BaseException] | None) -> None:
-        driver, self.step = self.step, self._outside
-        self._grad_guard.exit()
-        self._autocast_cache.exit()
-        self.bracket.reset()
-        self.forwards += 1
-        if isinstance(driver, CapturedStep):
-            if self.graphs.capturing():
-                driver.join()
-            self.graphs.after_capture(self.store, driver.assumed)
-            self._learn_nested_calls(self.store.nested.forget())  # the layout is kept: a warning
-            return
-        if self.graphs.captured:
-            self.graphs.restore(self.store)
-            self.graphs.fence_end(self.store)
-        nested = self.store.nested.forget()  # discovery and the check keep such units resident themselves
-        checked = isinstance(driver, (DiscoveryStep, CheckedStep))
-        if nested and not checked and self._learn_nested_calls(nested):
-            return
-        if isinstance(driver, DiscoveryStep):
-            result = driver.end(error)
-            if result is not None:  # a partial order would make a wrong plan: learn again next forward
-                assert self.signature is not None
-                sample = sample_from_timeline(driver.recorder.timeline())
-                discovered = self.learning.discovered(result, sample, self.signature)
-                if discovered is not None:
-                    self._finish_discovery(discovered)
-        elif isinstance(driver, CheckedStep):
-            result = driver.end(error)
-            if result is None:
-                self._record_next = True
-                return
-            self._check_next = False
-            driver.recorder.finish()
-            self._keep_recording(driver.recorder)
-            self._after_check(result)
-            if self.phase is Phase.INFERENCE:
-                self._enter(Phase.INFERENCE)  # resident units lose the check's hooks
-        elif isinstance(driver, ProfilingStep):
-            if error is None:
-                # Only a whole forward is read: one interrupted between creating a unit's end event and
-                # recording it (Ctrl-C) has an event that never happened (tests/test_safety.py).
-                sample = driver.end()
-                assert self.signature is not None
-                if driver.compiled_during() and self.learning.compiler_ran():
-                    pass  # its times and memory are the compiler's: profile one more forward
-                elif self.learning.profiled(sample, self.signature):
-                    self._plan_from_samples()
-            elif issubclass(error, torch.OutOfMemoryError) and any(u.resident for u in self.units.values()):
-                # Units kept resident to profile a new shape left too little room for its activations.
-                self._profile_again_streaming_everything("a profiling forward ran out of device memory")
-        elif isinstance(driver, RecordedStep):
-            if error is None:
-                driver.recorder.finish()
-                self._keep_recording(driver.recorder)
-            else:
-                self._record_next = True  # a partial step says nothing: record the next one
-
-    def close_interrupted_forward(self) -> None:
-        """A forward left without its end: stopped by an exception PyTorch does not hand to always_call
-        hooks (KeyboardInterrupt, SystemExit). Close it as failed, so this forward starts clean."""
-        logger.warning("the previous forward was interrupted; closing it before this one runs")
-        self.runtime.synchronize()  # its kernels and copies may still be queued behind stale events
-        self._autocast_cache.forget()
-        self.end_forward(KeyboardInterrupt)
-
-    def record_next_step(self) -> None:
-        self._record_next = True
-
-    def _keep_recording(self, recorder: StepRecorder) -> None:
-        self.latest_recording = recorder
-        if self.signature is not None:
-            self.recordings[self.signature] = recorder
-
-    @property
-    def last_recording(self) -> StepRecorder | None:
-        """The recorded step of the plan in place; before that plan's first step (the forward that made
-        it was a profiling one), the latest step recorded under any plan, which ``report()`` uses only if
-        its units sit where they sit now."""
-        if self.signature is not None and self.signature in self.recordings:
-            return self.recordings[self.signature]
-        return self.latest_recording
-
-    # -- discovery ----------------------------------------------------------------------------------------
-
-    def _finish_discovery(self, discovered: DiscoveryResult) -> None:
-        """Forget emptied units and lay out every unit for profiling."""
-        # Units that must stay resident were made so when found (see discovery.BehaviourChecks).
-        self.runtime.synchronize()  # the packs of dropped units may still be read by copies in flight
-        self.drop_empty_units()
-        ran = set(discovered.order)
-        idle = [u for u in self.units.values() if u not in ran]
-        if idle:
-            logger.info(
-                "%d unit(s) never ran in discovery; they load on demand: %s",
-                len(idle),
-                ", ".join(u.name for u in idle[:5]),
-            )
-        self.order = [u for u in discovered.order if u.name in self.units]
-        self._lay_out_to_profile()
 
     def keep_parameter_resident(self, param_id: int, reason: str) -> None:
         """Stop streaming one parameter, for good (see StreamedWeights.keep_resident)."""
