@@ -2,8 +2,9 @@
 edit_session.py): a streamed unit gets device copies only when used, the working set stays within its
 limit by writing units back to their packs, and nothing an edit wrote is lost on the way.
 
-Every model runs under the tightest budget (every unit streams), so the working set's limit is its floor,
-the largest unit, and a merge over all layers must write units back as it goes. Outputs are compared
+Every model runs under the tightest budget (every unit streams): its layout leaves no room for a unit, so
+the block gives it back and the working set has the budget, two layers here, and a merge over all layers
+must write units back as it goes. Outputs are compared
 bitwise with the same edit on the model without offload.
 """
 
@@ -75,17 +76,25 @@ def test_a_merge_over_every_layer_holds_at_most_its_working_set_and_matches_the_
     model = offloaded_llama()
     torch.manual_seed(5)
     peft_model = peft.get_peft_model(model, lora_config())
+    engine = engine_of(model)
     with editing_with_working_set(model) as working_set:
+        # The plan fills the budget, leaving no room for a unit: the layout was given back for the edit.
+        assert engine.store.device_bytes_held() == 0 and not engine.laid_out
         peft_model.merge_adapter()
-    assert working_set.limit_bytes == largest_unit_bytes(model)  # the floor: the budget is full
+    assert working_set.limit_bytes == engine.policy.memory_limit()  # the whole budget
     assert working_set.peak_bytes <= working_set.limit_bytes
     assert working_set.written_back >= 2  # four layers through a set of two
     assert all(torch.equal(out, expected) for out in run_forwards(peft_model, x, 3))
 
 
-def test_reading_shapes_dtypes_and_devices_gives_no_unit_copies() -> None:
+def test_reading_shapes_dtypes_and_devices_gives_no_unit_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     model = offloaded_llama()
+    engine = engine_of(model)
+    held = engine.store.device_bytes_held()
+    room = held + 2 * largest_unit_bytes(model)  # a device with room for units beside the layout
+    monkeypatch.setattr(engine.policy, "memory_limit", lambda: room)
     with editing_with_working_set(model) as working_set:
+        assert engine.laid_out and engine.store.device_bytes_held() == held  # the layout stays
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         shapes = {p.shape for p in model.parameters()} | {p.dtype for p in model.parameters()}
         devices = {p.device for p in model.parameters()}
@@ -239,3 +248,26 @@ def test_a_held_storage_object_keeps_its_unit() -> None:
         torch.empty(0).set_(storage).add_(1.0)
 
     assert_edits_alike(edit)
+
+
+def test_editing_refused_inside_a_forward_gives_no_layout_back() -> None:
+    """The refusals come before the layout is given back for the block: a forward that tries to open
+    one keeps running on its layout, and its output is the plain model's."""
+    x = llama_inputs()
+    expected = run_forwards(tiny_llama(layers=4, tie=False), x, 1)[0]
+    model = offloaded_llama()
+    engine = engine_of(model)
+    refusals: list[Exception] = []
+
+    def try_editing(*_: object) -> None:
+        try:
+            with flextensor.editing(model):
+                pass
+        except flextensor.UnsupportedOperationError as exc:
+            refusals.append(exc)
+        assert engine.laid_out
+
+    handle = model.model.layers[1].register_forward_hook(try_editing)
+    assert torch.equal(run_forwards(model, x, 1)[0], expected)
+    handle.remove()
+    assert len(refusals) == 1 and "inside a forward" in str(refusals[0])

@@ -12,16 +12,19 @@ views its arena range is no use: the range has them.
 
 The copies live in a working set shared by every model the with-block opened (a pipeline's components): at
 most the device memory those models may use (their budget; without one, the device's share) less what their
-layouts hold, and at least their largest unit (the arena sits idle meanwhile, but its ranges are what the
-units not used view, so it stays). Past that, the unit used longest ago is written back to its pack and views
-its range again; its next use reads the edited pack. A unit is kept instead while anything outside holds a
-view of one of its weights (its storage's use count is above what the parameter and the session hold: a ``w =
-p.data`` kept across other layers), so that a write through that view is never lost; and while one of its
-weights has a new shape or dtype, which its pack cannot take (the with-block's end refuses it). A merge that
-goes through the layers in turn (peft ``merge_adapter``, diffusers ``fuse_lora``, ``load_state_dict``) so
-holds a few units at once; one that takes every weight first (``state_dict()`` inside the block) holds them
-all, as on a model without offload. A device out of memory while a unit is copied in writes back every unit
-it can, then tries once more.
+layouts hold (the arena sits idle meanwhile, but its ranges are what the units not used view, so it stays).
+Where that leaves less than their largest streamed unit (a budget the plan fills), the layouts are given back
+first, the one holding most first: the units then hold placeholders until used, as a pipeline's component held
+on the host does, the set has the whole budget, and the next forward lays the plan out again (its resident
+units uploaded anew, once). Past the limit, the unit used longest ago is written back to its pack and views
+its range (or a placeholder) again; its next use reads the edited pack. A unit is kept instead while anything
+outside holds a view of one of its weights (its storage's use count is above what the parameter and the
+session hold: a ``w = p.data`` kept across other layers), so that a write through that view is never lost; and
+while one of its weights has a new shape or dtype, which its pack cannot take (the with-block's end refuses
+it). A merge that goes through the layers in turn (peft ``merge_adapter``, diffusers ``fuse_lora``,
+``load_state_dict``) so holds a few units at once; one that takes every weight first (``state_dict()`` inside
+the block) holds them all, as on a model without offload. A device out of memory while a unit is copied in
+writes back every unit it can, then tries once more.
 
 One torch call that takes weights of more units than the set holds (``torch.stack`` of every layer's, a
 foreach op, an optimizer's step) keeps them all until it has run: none is written back while the call
@@ -58,7 +61,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["EditSession", "FirstUse", "WorkingSet", "working_set_for"]
+__all__ = ["EditSession", "FirstUse", "WorkingSet", "refuse_to_begin", "working_set_for"]
 
 _DATA = torch._C.TensorBase.data  # the real ``.data`` descriptor, under weight_edits' guard
 _GUARD = "_flextensor_guard"  # see weight_edits.py
@@ -161,16 +164,55 @@ class WorkingSet:
             self.held_bytes -= self.live.pop(key)
 
 
+def refuse_to_begin(engine: OffloadEngine) -> None:
+    """Raise when ``engine``'s weights cannot be edited now; before anything changes."""
+    if engine.bracket.running:
+        raise UnsupportedOperationError(
+            "flextensor.editing(model) cannot start inside a forward of the model; edit between forwards"
+        )
+    if engine.editing is not None:
+        raise UnsupportedOperationError("flextensor.editing(model) is already open for this model")
+    if engine.graphs.captured:
+        raise UnsupportedOperationError(
+            "a CUDA graph captured this model's arena addresses and contents; editing its weights would "
+            "leave the graph replaying stale ones: call flextensor.release(model), edit, offload again"
+        )
+
+
 def working_set_for(engines: Sequence[OffloadEngine]) -> WorkingSet:
     """The working set of one with-block over ``engines``: what they may use on the device less what
     their layouts hold, at least their largest streamed unit; no limit when one of them has none
-    (a CPU without a budget)."""
+    (a CPU without a budget). Layouts that leave less than that unit are given back first (see [Note:
+    editing within the budget])."""
     limits = [engine.policy.memory_limit() for engine in engines]
     if not engines or any(limit is None for limit in limits):
         return WorkingSet(None)
-    held = sum(engine.store.device_bytes_held() for engine in engines)
-    largest = max((u.nbytes for e in engines for u in e.units.values() if not u.resident), default=0)
-    return WorkingSet(max(max(limits) - held, largest))  # type: ignore[type-var]
+    limit: int = max(limits)  # type: ignore[type-var]
+    room = limit - _held_bytes(engines)
+    if room < _largest_streamed_bytes(engines):
+        freed = 0
+        for engine in sorted(engines, key=lambda e: e.store.device_bytes_held(), reverse=True):
+            freed += engine.vacate()
+            room = limit - _held_bytes(engines)
+            if room >= _largest_streamed_bytes(engines):
+                break
+        if freed:
+            logger.info(
+                "editing: the layouts gave back %s so that edits stay within %s; the next forward lays "
+                "them out again",
+                format_bytes(freed),
+                format_bytes(limit),
+            )
+    return WorkingSet(max(room, _largest_streamed_bytes(engines)))
+
+
+def _held_bytes(engines: Iterable[OffloadEngine]) -> int:
+    return sum(engine.store.device_bytes_held() for engine in engines)
+
+
+def _largest_streamed_bytes(engines: Iterable[OffloadEngine]) -> int:
+    """The largest unit that gets copies when used: the resident ones of a layout given back do too."""
+    return max((u.nbytes for e in engines for u in e.units.values() if not u.resident), default=0)
 
 
 class FirstUse(TorchFunctionMode):
@@ -215,17 +257,7 @@ class EditSession:
 
     def begin(self) -> None:
         engine = self.engine
-        if engine.bracket.running:
-            raise UnsupportedOperationError(
-                "flextensor.editing(model) cannot start inside a forward of the model; edit between forwards"
-            )
-        if engine.editing is not None:
-            raise UnsupportedOperationError("flextensor.editing(model) is already open for this model")
-        if engine.graphs.captured:
-            raise UnsupportedOperationError(
-                "a CUDA graph captured this model's arena addresses and contents; editing its weights would "
-                "leave the graph replaying stale ones: call flextensor.release(model), edit, offload again"
-            )
+        refuse_to_begin(engine)
         engine.runtime.synchronize()  # copies in flight may still write the arena
         for unit in engine.units.values():
             if not unit.resident:  # a resident unit's parameters view storage of its own: edits stay there

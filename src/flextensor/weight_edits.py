@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .edit_session import EditSession, FirstUse, working_set_for
+from .edit_session import EditSession, FirstUse, refuse_to_begin, working_set_for
 from .errors import NotOffloadedError, UnsupportedOperationError
 from .tensor_subclasses import is_wrapper_subclass
 from .units import Placement, Unit
@@ -331,10 +331,11 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
         except NotOffloadedError:
             if components is None:
                 raise  # a pipeline's components that are not offloaded need no editing
-    for engine in engines:  # before any session begins: nothing to undo
+    for engine in engines:  # before any session begins or a layout is given back: nothing to undo
         _refuse_unwritable_packs(engine)
+        refuse_to_begin(engine)
     sessions: list[EditSession] = []
-    working_set = working_set_for(engines)
+    working_set = working_set_for(engines)  # may give layouts back
     try:
         for engine in engines:
             session = EditSession(engine, working_set)
