@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import flextensor
-from engine_helpers import LEARN, run_forwards
+from engine_helpers import LEARN, install_placement, run_forwards
 from flextensor.api import engine_of
 from flextensor.edit_session import EditSession, WorkingSet
+from flextensor.plan_policy import input_signature
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 
@@ -271,3 +272,76 @@ def test_editing_refused_inside_a_forward_gives_no_layout_back() -> None:
     assert torch.equal(run_forwards(model, x, 1)[0], expected)
     handle.remove()
     assert len(refusals) == 1 and "inside a forward" in str(refusals[0])
+
+
+def test_resident_units_keep_their_storage_when_the_block_gives_the_arena_back() -> None:
+    """A plan with resident units that fills the budget: the block gives only the arena back. A resident
+    unit carries no hooks in steady state, so a caller that calls it directly right after the block
+    (``model(inputs_embeds=model.get_input_embeddings()(ids))``) must find its weights in place."""
+    x = llama_inputs()
+    native = tiny_llama(layers=4, tie=False)
+    with torch.no_grad():
+        expected = native(inputs_embeds=native.get_input_embeddings()(x)).logits
+    model = tiny_llama(layers=4, tie=False)
+    flextensor.offload(model, streaming_config(model))
+    run_forwards(model, x, LEARN)
+    install_placement(model, input_signature((x,), {}), ["model.embed_tokens", "model.norm", "lm_head"])
+    run_forwards(model, x, 1)
+    engine = engine_of(model)
+    resident = engine.store.device_bytes_held() - engine.store.arena_bytes()
+    with editing_with_working_set(model) as working_set:
+        assert not engine.laid_out and engine.store.device_bytes_held() == resident
+    assert working_set.limit_bytes == engine.policy.memory_limit() - resident  # type: ignore[operator]
+    with torch.no_grad():
+        out = model(inputs_embeds=model.get_input_embeddings()(x)).logits
+    assert torch.equal(out, expected)
+
+
+def test_an_edit_of_a_compressed_resident_unit_is_kept(fast_decoder: None) -> None:
+    """bf16 layers compressed at offload and resident in the plan hold no pack (their storage is the only
+    copy, so compression does not refuse the block): the edit goes to that storage, never to a pack
+    re-encoded for a layout given back (a coded pack's view is a decoded copy: a write there is lost)."""
+
+    class CastLinear(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(super().forward(x.to(self.weight.dtype))).float()
+
+    def mixed() -> torch.nn.Module:  # two bf16 layers (compressible), two fp32 ones (not)
+        torch.manual_seed(0)
+        layers = [CastLinear(64, 64) for _ in range(4)]
+        layers[0].to(torch.bfloat16)
+        layers[1].to(torch.bfloat16)
+        return torch.nn.Sequential(*layers)
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    native, model = mixed(), mixed()
+    with torch.no_grad():
+        native[0].weight.mul_(2)
+    expected = run_forwards(native, x, 1)[0]
+    layer = sum(p.numel() * p.element_size() for p in model[0].parameters())
+    config = streaming_config(model, compression="lossless")
+    config = config.model_copy(update={"gpu_memory_budget": config.gpu_memory_budget + 2 * layer + 2 * 4096})
+    flextensor.offload(model, config)
+    run_forwards(model, x, LEARN)
+    install_placement(model, input_signature((x,), {}), ["0", "1"])
+    run_forwards(model, x, 1)
+    assert all(engine_of(model).units[name].pack is None for name in ("0", "1"))
+    with flextensor.editing(model), torch.no_grad():
+        model[0].weight.mul_(2)
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+
+
+def test_an_edit_made_before_the_block_is_refused_by_it_not_taken_as_the_weights() -> None:
+    """``weight.mul_()`` between forwards wrote into the shared arena; the next forward refuses it, and so
+    does an editing block opened first: it would otherwise take those bytes as the unit's weights (or
+    accept the counters and drop the edit silently)."""
+    x = llama_inputs()
+    expected = run_forwards(tiny_llama(layers=4, tie=False), x, 1)[0]
+    model = offloaded_llama()
+    with torch.no_grad():
+        model.model.layers[2].mlp.up_proj.weight.mul_(2)
+    refused = pytest.raises(flextensor.UnsupportedOperationError, match=r"changed in place outside")
+    with refused, flextensor.editing(model):
+        pass
+    assert engine_of(model).editing is None
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 2))  # discarded, as said

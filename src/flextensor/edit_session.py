@@ -13,18 +13,19 @@ views its arena range is no use: the range has them.
 The copies live in a working set shared by every model the with-block opened (a pipeline's components): at
 most the device memory those models may use (their budget; without one, the device's share) less what their
 layouts hold (the arena sits idle meanwhile, but its ranges are what the units not used view, so it stays).
-Where that leaves less than their largest streamed unit (a budget the plan fills), the layouts are given back
-first, the one holding most first: the units then hold placeholders until used, as a pipeline's component held
-on the host does, the set has the whole budget, and the next forward lays the plan out again (its resident
-units uploaded anew, once). Past the limit, the unit used longest ago is written back to its pack and views
-its range (or a placeholder) again; its next use reads the edited pack. A unit is kept instead while anything
-outside holds a view of one of its weights (its storage's use count is above what the parameter and the
-session hold: a ``w = p.data`` kept across other layers), so that a write through that view is never lost; and
-while one of its weights has a new shape or dtype, which its pack cannot take (the with-block's end refuses
-it). A merge that goes through the layers in turn (peft ``merge_adapter``, diffusers ``fuse_lora``,
-``load_state_dict``) so holds a few units at once; one that takes every weight first (``state_dict()`` inside
-the block) holds them all, as on a model without offload. A device out of memory while a unit is copied in
-writes back every unit it can, then tries once more.
+Where that leaves less than their largest streamed unit (a budget the plan fills), the layouts give their
+arenas back first, the one holding most first: the streamed units then hold placeholders until used, as a
+pipeline's component held on the host does, resident units keep their storage (a caller may call one that
+carries no hooks), the set has the budget less what resident units hold (at least the arena given back: more
+than a unit), and the next forward allocates the arena again. Past the limit, the unit used longest ago is
+written back to its pack and views its range (or a placeholder) again; its next use reads the edited pack. A
+unit is kept instead while anything outside holds a view of one of its weights (its storage's use count is
+above what the parameter and the session hold: a ``w = p.data`` kept across other layers), so that a write
+through that view is never lost; and while one of its weights has a new shape or dtype, which its pack cannot
+take (the with-block's end refuses it). A merge that goes through the layers in turn (peft ``merge_adapter``,
+diffusers ``fuse_lora``, ``load_state_dict``) so holds a few units at once; one that takes every weight first
+(``state_dict()`` inside the block) holds them all, as on a model without offload. A device out of memory
+while a unit is copied in writes back every unit it can, then tries once more.
 
 One torch call that takes weights of more units than the set holds (``torch.stack`` of every layer's, a
 foreach op, an optimizer's step) keeps them all until it has run: none is written back while the call
@@ -191,8 +192,8 @@ def working_set_for(engines: Sequence[OffloadEngine]) -> WorkingSet:
     room = limit - _held_bytes(engines)
     if room < _largest_streamed_bytes(engines):
         freed = 0
-        for engine in sorted(engines, key=lambda e: e.store.device_bytes_held(), reverse=True):
-            freed += engine.vacate()
+        for engine in sorted(engines, key=lambda e: e.store.arena_bytes(), reverse=True):
+            freed += engine.vacate(keep_resident=True)
             room = limit - _held_bytes(engines)
             if room >= _largest_streamed_bytes(engines):
                 break
@@ -211,7 +212,7 @@ def _held_bytes(engines: Iterable[OffloadEngine]) -> int:
 
 
 def _largest_streamed_bytes(engines: Iterable[OffloadEngine]) -> int:
-    """The largest unit that gets copies when used: the resident ones of a layout given back do too."""
+    """The largest unit that gets copies when used."""
     return max((u.nbytes for e in engines for u in e.units.values() if not u.resident), default=0)
 
 

@@ -376,17 +376,18 @@ class OffloadEngine(ForwardEnds):
         self.hooks.hook_units(self.hooks.hooked_units)  # re-mark: parameter names may have changed
         self.watch.arm(self.units.values(), accept=True)
 
-    def vacate(self) -> int:
-        """Give back the device bytes held for units while another component of a pipeline runs; the
-        next forward lays its plan out again (re-uploading resident units). Returns the bytes freed: 0
+    def vacate(self, keep_resident: bool = False) -> int:
+        """Give back the device bytes held for units while another component of a pipeline runs (with
+        ``keep_resident``, those of the streamed units only: flextensor.editing's room); the next forward
+        lays its plan out again (re-uploading resident units given back). Returns the bytes freed: 0
         while a forward runs, when nothing is laid out, or once a CUDA graph holds the layout's addresses."""
         if not self.laid_out or not self.can_vacate():
             return 0
         held = self.store.device_bytes_held()
-        self.store.vacate()
+        self.store.vacate(keep_resident)
         self.laid_out = self._laid_out_ahead = False
         self.watch.arm(self.units.values())
-        return held
+        return held - self.store.device_bytes_held()
 
     def planned_peak_bytes(self) -> int | None:
         """The peak the plan in force predicts for a step, None while the model is still learning."""

@@ -414,18 +414,20 @@ class DeviceStore:
             unit.pack.buffer.copy_(unit.storage)
         unit.storage_version = unit.weights_version()
 
-    def vacate(self) -> None:
+    def vacate(self, keep_resident: bool = False) -> None:
         """Give back every device byte held for units (the arena, resident storage): each unit keeps only
-        its host pack until the next layout. Plan time only: synchronises the device."""
+        its host pack until the next layout. With ``keep_resident``, resident units keep their storage
+        (and their parameters) and only the streamed side goes. Plan time only: synchronises the device."""
         with profiler_range("flextensor.vacate"):
-            self._vacate()
+            self._vacate(keep_resident)
 
-    def _vacate(self) -> None:
+    def _vacate(self, keep_resident: bool) -> None:
         self.runtime.synchronize()
-        for unit in self.units:
-            if unit.resident:
-                self._refresh_pack(unit)  # its storage may hold the only copy, or edits
-        self._free_device_bytes(set())
+        if not keep_resident:
+            for unit in self.units:
+                if unit.resident:
+                    self._refresh_pack(unit)  # its storage may hold the only copy, or edits
+        self._free_device_bytes({u for u in self.units if u.resident} if keep_resident else set())
 
     # -- loading ------------------------------------------------------------------------------------------
 

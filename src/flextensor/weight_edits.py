@@ -334,6 +334,10 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
     for engine in engines:  # before any session begins or a layout is given back: nothing to undo
         _refuse_unwritable_packs(engine)
         refuse_to_begin(engine)
+        edited = engine.watch.edited()
+        if edited:  # written in place before the block: the session would take those bytes as the weights
+            engine.watch.arm(engine.units.values(), accept=True)
+            raise edits_discarded(engine.store, edited)
     sessions: list[EditSession] = []
     working_set = working_set_for(engines)  # may give layouts back
     try:
