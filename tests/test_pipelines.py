@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import flextensor
+from engine_helpers import install_placement
 from flextensor.api import engine_of
 from flextensor.errors import (
     ConfigError,
@@ -20,6 +21,7 @@ from flextensor.host_store import pack_layout
 from flextensor.layout import minimal_arena_bytes
 from flextensor.pipeline_methods import CALL_END_METHOD, REFUSED_METHODS
 from flextensor.pipelines import default_unit_patterns, pipeline_of
+from flextensor.plan_policy import input_signature
 from flextensor.selection import select
 
 pytest.importorskip("diffusers")
@@ -572,3 +574,38 @@ def test_a_text_encoders_tied_embedding_streams_gives_its_memory_back_and_restar
         run(again)
     assert flextensor.phase(again) == "inference"
     flextensor.release(again)
+
+
+@torch.no_grad()
+def test_a_component_given_back_reports_its_plan_and_a_resident_unit_called_directly_lays_it_out() -> None:
+    """A plan's resident units carry no hooks in steady state. Given back while another component runs,
+    they hold placeholders: one called directly then (``get_input_embeddings()(ids)``) is hooked again
+    until the next layout, lays the plan out and computes with its weights."""
+    torch.manual_seed(0)
+    parts = {
+        "encoder": torch.nn.Sequential(
+            torch.nn.Embedding(64, 32), *(torch.nn.Linear(32, 32) for _ in range(3))
+        ),
+        "decoder": torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4))),
+    }
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = parts["encoder"][0](ids).clone()
+    budget = tightest_budget(parts)
+    config = flextensor.OffloadConfig(device="cpu", include_patterns=["encoder.*", "decoder.*"])
+    flextensor.offload(parts, config.model_copy(update={"gpu_memory_budget": budget}))
+    while flextensor.phase(parts) != "inference":
+        parts["decoder"](parts["encoder"](ids))
+    encoder = engine_of(parts["encoder"])
+    signature = input_signature((ids,), {})
+    install_placement(parts["encoder"], signature, ["0"])
+    parts["decoder"](parts["encoder"](ids))  # the encoder laid out with its embedding resident, unhooked
+    assert encoder.current is not None and "0" in encoder.current.plan.resident
+    assert not encoder.laid_out and encoder.units["0"].storage is None  # given back for the decoder
+    # The report describes the plan, not the placeholders of the layout given back.
+    given_back = flextensor.report(parts).components["encoder"].to_dict()  # type: ignore[union-attr]
+    slots = {row["name"]: (row["placement"], row["slot"]) for row in given_back["units"]}
+    assert slots == {"0": ("resident", "resident"), **{str(i): ("streamed", "-") for i in (1, 2, 3)}}
+    assert given_back["device_bytes_held"] == 0
+    assert torch.equal(parts["encoder"][0](ids), expected)
+    assert encoder.laid_out and encoder.units["0"].resident
+    flextensor.release(parts)

@@ -387,6 +387,10 @@ class OffloadEngine(ForwardEnds):
         self.store.vacate(keep_resident)
         self.laid_out = self._laid_out_ahead = False
         self.watch.arm(self.units.values())
+        if not keep_resident and self.phase is Phase.INFERENCE:
+            # Resident units lost their storage and carry no hooks in steady state: hooked until the
+            # next layout, one called directly (get_input_embeddings()(ids)) lays the plan out first.
+            self.hooks.hook_units(self.units.values())
         return held - self.store.device_bytes_held()
 
     def planned_peak_bytes(self) -> int | None:
