@@ -46,8 +46,10 @@ class UnitReport:
 
     ``copy_ms`` sums this unit's copies issued during the step (a prefetch for the next step included).
     ``wait_ms`` is the exposed wait: how long its compute waited for its copy. ``slot_start`` /
-    ``slot_end`` are its byte range in the arena, None for a resident unit. ``coded_nbytes``: the size of
-    its host copy held compressed (``compression="lossless"``), what a load of it copies; None if raw.
+    ``slot_end`` are its byte range in the arena, None for a resident unit and while the layout is given
+    back (a pipeline's component between its steps: ``device_bytes_held`` is 0 then). ``coded_nbytes``:
+    the size of its host copy held compressed (``compression="lossless"``), what a load of it copies;
+    None if raw.
     """
 
     name: str
@@ -270,8 +272,10 @@ def _slot_scale(arena_bytes: int) -> tuple[str, int]:
 
 
 def _slot(unit: UnitReport, scale: tuple[str, int]) -> str:
-    if unit.slot_start is None or unit.slot_end is None:
+    if unit.resident:
         return "resident"
+    if unit.slot_start is None or unit.slot_end is None:
+        return "-"  # the layout is given back (a pipeline's component between its steps)
     name, factor = scale
     return f"arena {unit.slot_start / factor:.2f}{_EN_DASH}{unit.slot_end / factor:.2f} {name}"
 
@@ -290,9 +294,10 @@ def recorded_timeline(engine: OffloadEngine) -> Timeline:
             "forward in steady state first (flextensor.phase(model) == 'inference')"
         )
     timeline = recording.timeline()
+    planned = set(engine.current.plan.resident)  # where units sit now is "host" while given back
     for unit in timeline.units:
         state = engine.units.get(unit.unit)
-        if state is not None and state.resident != unit.resident:
+        if state is not None and (state.name in planned) != unit.resident:
             # The inputs changed and another plan is in force; its first step has not been recorded.
             raise NotOffloadedError(
                 "the recorded step ran under an earlier plan: call flextensor.record_next_step(model) and "
@@ -353,14 +358,18 @@ def report(model: nn.Module) -> Report | PipelineReport:
     timed = {unit.unit: unit for unit in timeline.units}
     profiled = entry.measurements.by_name()
     in_order = set(engine.order)
+    # By the plan, not where units sit now: a pipeline's component given back holds every unit on the
+    # host until its next step.
+    planned = set(entry.plan.resident)
     rows = []
     for state in [*engine.order, *(u for u in engine.units.values() if u not in in_order)]:
         name = state.name
         unit = timed.get(name)
-        if unit is None and not state.resident:
+        resident = name in planned
+        if unit is None and not resident:
             continue  # streamed but did not run in the recorded step
         start = end = None
-        if not state.resident and state.storage is not None and arena is not None:
+        if not resident and state.storage is not None and arena is not None:
             # Streamed storage is a view into the arena: its offset there is its slot.
             start = state.storage.data_ptr() - arena.data_ptr()
             end = start + state.nbytes
@@ -373,7 +382,7 @@ def report(model: nn.Module) -> Report | PipelineReport:
             UnitReport(
                 name=name,
                 nbytes=state.nbytes,
-                resident=state.resident,
+                resident=resident,
                 compute_ms=compute_s * 1e3,
                 copy_ms=copy_ms.get(name),
                 wait_ms=unit.wait_s * 1e3 if unit is not None else 0.0,
@@ -383,7 +392,7 @@ def report(model: nn.Module) -> Report | PipelineReport:
             )
         )
 
-    streamed_sizes = [u.nbytes for u in engine.units.values() if not u.resident]
+    streamed_sizes = [u.nbytes for u in engine.units.values() if u.name not in planned]
     sizes = streamed_sizes or [u.nbytes for u in engine.units.values()]
     typical = int(statistics.median(sizes)) if sizes else 0
     link = entry.measurements.link
