@@ -20,6 +20,8 @@ A method is named by a spec, ``name[:arg][/key=value...]``:
 ``accelerate``                  accelerate ``cpu_offload`` (execution device = the run's device)
 ``diffusers_model_offload``     a pipeline's ``enable_model_cpu_offload()``: each component moved whole
                                 to the device when it runs
+``diffusers_sequential_offload``  a pipeline's ``enable_sequential_cpu_offload()``: each module's weights
+                                moved to the device at each call (accelerate's hooks), synchronously
 ==============================  ====================================================================
 
 On a whole pipeline (``wan22_pipeline``) each method is applied as its library documents for one:
@@ -68,6 +70,7 @@ METHOD_NAMES = (
     "flextensor050_budget",
     "diffusers_group",
     "diffusers_model_offload",
+    "diffusers_sequential_offload",
     "accelerate",
 )
 OPTION_KEYS = (
@@ -107,7 +110,7 @@ class MethodSpec:
     @property
     def family(self) -> str:
         """``native`` / ``ours`` / ``flextensor050`` / ``diffusers_group`` / ``diffusers_model_offload`` /
-        ``accelerate``."""
+        ``diffusers_sequential_offload`` / ``accelerate``."""
         return self.name.split("_budget")[0].split("_frac")[0].removesuffix("_ref")
 
     def option(self, key: str, default: float) -> float:
@@ -166,6 +169,8 @@ def unsupported_reason(ms: MethodSpec, w: Workload, device: str) -> str | None:
     pipeline = w.kind == "wan_pipeline"
     if ms.family == "diffusers_model_offload" and not pipeline:
         return "enable_model_cpu_offload is a pipeline's method"
+    if ms.family == "diffusers_sequential_offload" and not pipeline:
+        return "enable_sequential_cpu_offload is a pipeline's method"
     if ms.family == "accelerate" and pipeline:
         return "accelerate's cpu_offload is benchmarked on single models"
     if pipeline and compile_mode is not None:

@@ -4,6 +4,8 @@
   budget shared across the phases (docs/pipelines.md).
 - ``diffusers_model_offload``: ``pipe.enable_model_cpu_offload()``: each component moved whole to the
   device when it runs, the previous one moved back.
+- ``diffusers_sequential_offload``: ``pipe.enable_sequential_cpu_offload()``: accelerate's hooks move
+  each module's weights to the device at each of its calls and back after it, with no overlap.
 - ``diffusers_group``: ``pipe.enable_group_offload`` at block level, one block per group, with streams.
 - ``flextensor050``: its Wan2.2 recipe: the two transformers offloaded (their blocks), one manager each,
   the text encoder and the VAE on the device.
@@ -35,6 +37,11 @@ def prepare_pipeline(
             pipe.enable_model_cpu_offload(device=device)
         info = {"config": {"enable_model_cpu_offload": True}}
         return Prepared(model, lambda: None, 1, _every_weight(nbytes), info)
+    if ms.family == "diffusers_sequential_offload":
+        if cuda:
+            pipe.enable_sequential_cpu_offload(device=device)
+        info = {"config": {"enable_sequential_cpu_offload": True}}
+        return Prepared(model, lambda: None, 1, _every_weight_every_call(model, nbytes), info)
     if ms.family == "diffusers_group":
         kwargs = {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": cuda}
         pipe.enable_group_offload(onload_device=torch.device(device), offload_device="cpu", **kwargs)
@@ -47,6 +54,24 @@ def prepare_pipeline(
 
 def _every_weight(nbytes: dict[str, int]) -> Any:
     return lambda: (sum(nbytes.values()), "estimate: every weight, once a generation")
+
+
+PHASE_OF = {"text_encoder": "encode", "vae": "decode"}
+"""The timer's phase of each component whose phase is not named after it (the transformers' are)."""
+
+
+def _every_weight_every_call(model: Any, nbytes: dict[str, int]) -> Any:
+    """Each component's weights times its calls in the last generation."""
+
+    def streamed() -> tuple[int | None, str]:
+        calls = model.timer.last_step.get("phase_calls", {})
+        total = 0
+        for name, size in nbytes.items():  # parameter names start with their component's
+            component = name.split(".", 1)[0]
+            total += size * calls.get(PHASE_OF.get(component, component), 0)
+        return total, "estimate: each component's weights at each of its calls"
+
+    return streamed
 
 
 def _prepare_ours(ms: MethodSpec, model: Any, device: str, nbytes: dict[str, int]) -> Prepared:
@@ -62,11 +87,10 @@ def _prepare_ours(ms: MethodSpec, model: Any, device: str, nbytes: dict[str, int
     def streamed() -> tuple[int | None, str]:
         """Each component's streamed bytes per forward, times its forwards in the last generation."""
         calls = model.timer.last_step.get("phase_calls", {})
-        phase_of = {"text_encoder": "encode", "vae": "decode"}
         total = 0
         for name, component in ft.report(pipe).to_dict().items():
             per_call = sum(u["nbytes"] for u in component["units"] if u["placement"] == "streamed")
-            total += per_call * calls.get(phase_of.get(name, name), 0)
+            total += per_call * calls.get(PHASE_OF.get(name, name), 0)
         return total, "plan x forwards (uploads when a component lays out again are not counted)"
 
     def details() -> dict[str, Any]:

@@ -143,6 +143,7 @@ _PIPELINE_METHODS = (
     "diffusers_model_offload",
     "diffusers_group",
     "flextensor050",
+    "diffusers_sequential_offload",
 )
 
 
@@ -324,7 +325,14 @@ WORKLOADS: dict[str, Workload] = {
                 "text_len": 8,
             },
             description="tiny two-expert Wan2.2 pipeline, CPU smoke",
-            methods=("native", "ours", "ours_budget:600KiB", "diffusers_group", "diffusers_model_offload"),
+            methods=(
+                "native",
+                "ours",
+                "ours_budget:600KiB",
+                "diffusers_group",
+                "diffusers_model_offload",
+                "diffusers_sequential_offload",
+            ),
             tiny=True,
             extra={"cache": False},
         ),

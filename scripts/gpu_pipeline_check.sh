@@ -7,7 +7,8 @@
 # natively); ours takes about 220 s in all, native 250 s, diffusers' group offload 300 s (2026-12-05,
 # H100). flextensor 0.5.0 learns for about 11 forwards of each expert (4 a generation), so about three
 # warm-up generations: give it a call of its own (METHODS=flextensor050), as model offload needs one
-# (METHODS=diffusers_model_offload, with --min-steps 1 it took 330 s in all).
+# (METHODS=diffusers_model_offload, with --min-steps 1 it took 330 s in all). PART=4: diffusers'
+# enable_sequential_cpu_offload (each module's weights copied at each call: expect ~40 s a generation).
 # REFERENCE=<result files of PART=1 whose native run has an output digest, copied into the repo,
 # space-separated> compares PART=2 and 3 with the native run of this machine's GPU model (time, and
 # output by SHA-256) instead of running native again: ~250 s saved per call. Outputs differ between GPU
@@ -22,7 +23,8 @@ out=${OUT:-benchmarks/results}
 case "${PART:-1}" in
 1) methods="native,ours_budget:8GiB" ;;
 2) methods="ours/cap=24GiB,diffusers_group" ;;
-*) methods="flextensor050,diffusers_model_offload" ;;
+3) methods="flextensor050,diffusers_model_offload" ;;
+*) methods="diffusers_sequential_offload" ;;
 esac
 methods=${METHODS:-$methods}
 if [ -n "${PROFILE:-}" ]; then export FLEXTENSOR_BENCH_PROFILE=summary; fi

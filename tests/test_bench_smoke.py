@@ -243,7 +243,16 @@ def test_a_reference_is_taken_only_from_this_machines_gpu_model() -> None:
 def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path: Path) -> None:
     """``wan22_pipeline``'s tiny twin through the same worker path: one generation a step, per-phase times
     and calls recorded, every method's frames bitwise native's."""
-    methods = "native,ours_budget:600KiB,diffusers_group,diffusers_model_offload,accelerate"
+    methods = ",".join(
+        [
+            "native",
+            "ours_budget:600KiB",
+            "diffusers_group",
+            "diffusers_model_offload",
+            "diffusers_sequential_offload",
+            "accelerate",
+        ]
+    )
     cmd = [sys.executable, "-m", "benchmarks.run", "--workload", "wan22_pipeline_tiny", "--methods", methods]
     cmd += ["--device", "cpu", "--out", str(tmp_path), "--threads", "1"]
     cmd += ["--min-steps", "2", "--max-steps", "2"]
@@ -262,6 +271,10 @@ def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path
         assert set(last["phase_s"]) == {"encode", "transformer", "transformer_2", "decode"}
     ours = runs["ours_budget:600KiB"]
     assert ours["phase"] == "inference" and ours["bytes_streamed_per_step"] > 0
+    # Sequential offload moves each component at each of its calls; model offload each once a generation.
+    sequential = runs["diffusers_sequential_offload"]["bytes_streamed_per_step"]
+    whole = runs["diffusers_model_offload"]["bytes_streamed_per_step"]
+    assert whole < sequential < 4 * 2 * whole  # the experts run 4 times each, the rest fewer
 
 
 def test_load_benchmark_records_both_methods(tmp_path: Path) -> None:
