@@ -14,16 +14,16 @@ The copies live in a working set shared by every model the with-block opened (a 
 most the device memory those models may use (their budget; without one, the device's share) less what their
 layouts hold (the arena sits idle meanwhile, but its ranges are what the units not used view, so it stays).
 Where that leaves less than their largest streamed unit (a budget the plan fills), the layouts give their
-arenas back first, the one holding most first: the streamed units then hold placeholders until used, as a
-pipeline's component held on the host does, resident units keep their storage (a caller may call one that
-carries no hooks), the set has the budget less what resident units hold (at least the arena given back: more
-than a unit), and the next forward allocates the arena again. Past the limit, the unit used longest ago is
-written back to its pack and views its range (or a placeholder) again; its next use reads the edited pack. A
-unit is kept instead while anything outside holds a view of one of its weights (its storage's use count is
-above what the parameter and the session hold: a ``w = p.data`` kept across other layers), so that a write
-through that view is never lost; and while one of its weights has a new shape or dtype, which its pack cannot
-take (the with-block's end refuses it). A merge that goes through the layers in turn (peft ``merge_adapter``,
-diffusers ``fuse_lora``, ``load_state_dict``) so holds a few units at once; one that takes every weight first
+arenas back first, the largest first: the streamed units then hold placeholders until used, as a pipeline's
+component held on the host does, resident units keep their storage (a caller may call one that carries no
+hooks), the set has the budget less what resident units hold (at least the arena given back: more than a
+unit), and the next forward allocates the arena again. Past the limit, the unit used longest ago is written
+back to its pack and views its range (or a placeholder) again; its next use reads the edited pack. A unit is
+kept instead while anything outside holds a view of one of its weights (its storage's use count is above what
+the parameter and the session hold: a ``w = p.data`` kept across other layers), so that a write through that
+view is never lost; and while one of its weights has a new shape or dtype, which its pack cannot take (the
+with-block's end refuses it). A merge that goes through the layers in turn (peft ``merge_adapter``, diffusers
+``fuse_lora``, ``load_state_dict``) so holds a few units at once; one that takes every weight first
 (``state_dict()`` inside the block) holds them all, as on a model without offload. A device out of memory
 while a unit is copied in writes back every unit it can, then tries once more.
 
@@ -199,8 +199,8 @@ def working_set_for(engines: Sequence[OffloadEngine]) -> WorkingSet:
                 break
         if freed:
             logger.info(
-                "editing: the layouts gave back %s so that edits stay within %s; the next forward lays "
-                "them out again",
+                "editing: the streamed units' arenas gave back %s so that edits stay within %s; the next "
+                "forward allocates them again",
                 format_bytes(freed),
                 format_bytes(limit),
             )
