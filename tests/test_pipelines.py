@@ -576,36 +576,67 @@ def test_a_text_encoders_tied_embedding_streams_gives_its_memory_back_and_restar
     flextensor.release(again)
 
 
+def encoder_given_back_with_a_resident_embedding() -> tuple[dict[str, nn.Module], torch.Tensor]:
+    """A mapping pipeline under a budget that holds one component at a time, steady, the encoder's plan
+    keeping its embedding ``0`` resident (unhooked), the encoder given back for the decoder's step."""
+    torch.manual_seed(0)
+    parts: dict[str, nn.Module] = {
+        "encoder": nn.Sequential(nn.Embedding(64, 32), *(nn.Linear(32, 32) for _ in range(3))),
+        "decoder": nn.Sequential(*(nn.Linear(32, 32) for _ in range(4))),
+    }
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    config = flextensor.OffloadConfig(
+        device="cpu", include_patterns=["encoder.*", "decoder.*"], gpu_memory_budget=tightest_budget(parts)
+    )
+    flextensor.offload(parts, config)
+    with torch.no_grad():
+        while flextensor.phase(parts) != "inference":
+            parts["decoder"](parts["encoder"](ids))
+        install_placement(parts["encoder"], input_signature((ids,), {}), ["0"])
+        parts["decoder"](parts["encoder"](ids))  # laid out with the embedding resident, then given back
+    encoder = engine_of(parts["encoder"])
+    assert encoder.current is not None and "0" in encoder.current.plan.resident
+    assert not encoder.laid_out and encoder.units["0"].storage is None
+    return parts, ids
+
+
 @torch.no_grad()
 def test_a_component_given_back_reports_its_plan_and_a_resident_unit_called_directly_lays_it_out() -> None:
     """A plan's resident units carry no hooks in steady state. Given back while another component runs,
     they hold placeholders: one called directly then (``get_input_embeddings()(ids)``) is hooked again
-    until the next layout, lays the plan out and computes with its weights."""
+    until the next layout, lays the plan out (the other component making room, as for a step) and
+    computes with its weights; once its call ends it loses its hooks again."""
     torch.manual_seed(0)
-    parts = {
-        "encoder": torch.nn.Sequential(
-            torch.nn.Embedding(64, 32), *(torch.nn.Linear(32, 32) for _ in range(3))
-        ),
-        "decoder": torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4))),
-    }
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    expected = parts["encoder"][0](ids).clone()
-    budget = tightest_budget(parts)
-    config = flextensor.OffloadConfig(device="cpu", include_patterns=["encoder.*", "decoder.*"])
-    flextensor.offload(parts, config.model_copy(update={"gpu_memory_budget": budget}))
-    while flextensor.phase(parts) != "inference":
-        parts["decoder"](parts["encoder"](ids))
-    encoder = engine_of(parts["encoder"])
-    signature = input_signature((ids,), {})
-    install_placement(parts["encoder"], signature, ["0"])
-    parts["decoder"](parts["encoder"](ids))  # the encoder laid out with its embedding resident, unhooked
-    assert encoder.current is not None and "0" in encoder.current.plan.resident
-    assert not encoder.laid_out and encoder.units["0"].storage is None  # given back for the decoder
+    expected = nn.Embedding(64, 32)  # the same seed: the encoder's embedding
+    parts, ids = encoder_given_back_with_a_resident_embedding()
+    encoder, decoder = engine_of(parts["encoder"]), engine_of(parts["decoder"])
     # The report describes the plan, not the placeholders of the layout given back.
     given_back = flextensor.report(parts).components["encoder"].to_dict()  # type: ignore[union-attr]
     slots = {row["name"]: (row["placement"], row["slot"]) for row in given_back["units"]}
     assert slots == {"0": ("resident", "resident"), **{str(i): ("streamed", "-") for i in (1, 2, 3)}}
     assert given_back["device_bytes_held"] == 0
-    assert torch.equal(parts["encoder"][0](ids), expected)
+    assert decoder.laid_out
+    assert torch.equal(parts["encoder"][0](ids), expected(ids))
     assert encoder.laid_out and encoder.units["0"].resident
+    assert not decoder.laid_out  # it made room: the budget holds one component at a time
+    assert encoder.hooks.running == [] and encoder.units["0"] not in encoder.hooks.hooked_units
+    parts["encoder"][1](torch.randn(2, 8, 32))  # an ordinary call by hand, not one nested in the embedding
+    assert not encoder.store.nested.seen
+    flextensor.release(parts)
+
+
+@torch.no_grad()
+def test_units_called_by_hand_around_a_give_back_do_not_warn_of_a_bypassed_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The warning that every unit ran outside a call of the model counts the units the plan streams: a
+    resident one called after its component was given back is not one of them."""
+    parts, ids = encoder_given_back_with_a_resident_embedding()
+    hidden = parts["encoder"](ids)  # laid out: the plan streams units 1, 2 and 3
+    parts["encoder"][1](hidden)
+    parts["encoder"][2](hidden)
+    parts["decoder"](hidden)  # the encoder is given back
+    with caplog.at_level("WARNING", logger="flextensor"):
+        parts["encoder"][0](ids)
+    assert "outside a call of the model" not in caplog.text
     flextensor.release(parts)

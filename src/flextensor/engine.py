@@ -85,6 +85,7 @@ class OffloadEngine(ForwardEnds):
         self.entry_methods = entry_methods  # bracketed like forward (hook_functions.entry_point)
         self.before_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's (pipelines.py)
         self.after_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's, on success
+        self.before_outside_layout: Callable[[OffloadEngine], None] | None = None  # a pipeline's
         self.held_beside: Callable[[], int] = lambda: 0  # a pipeline's: what its other components hold
         self._laid_out_ahead = False  # the layout was made by lay_out_ahead, not yet waited for
         self._ahead_failed = False  # a layout ahead failed once: not tried again

@@ -138,6 +138,9 @@ class ModelHooks:
         # The hooked units running now, outermost first: a call made while one runs is a nested call
         # (see [Note: nested calls] in nested_calls.py).
         self.running: list[Unit] = []
+        # Units to unhook once their running call ends: their own pre hook laid the plan out, which
+        # unhooks resident units, and the call's post hook must still run (it pops ``running``).
+        self._unhook_after_call: set[Unit] = set()
         self.forward_in_graph = False  # the forward running was begun by a compiled graph's op
         # Whether the compiled pre op orders a unit's kernels through its floating-point inputs rather
         # than its weights (see compiled.written_inputs): set by integrations that need it (vLLM).
@@ -200,7 +203,11 @@ class ModelHooks:
     def hook_units(self, wanted: Iterable[Unit]) -> None:
         """Hook exactly the ``wanted`` units (plan time only): add missing pairs, remove the others."""
         wanted = set(wanted)
+        self._unhook_after_call -= wanted
         for unit in [u for u in self._unit_handles if u not in wanted]:
+            if unit in self.running:
+                self._unhook_after_call.add(unit)
+                continue
             for handle in self._unit_handles.pop(unit):
                 handle.remove()
             # Its marks stay until detach: a graph compiled without guards on hooks while the unit was
@@ -258,6 +265,7 @@ class ModelHooks:
             for handle in handles:
                 handle.remove()
         self._unit_handles.clear()
+        self._unhook_after_call.clear()
         for unit in self.units.values():  # every unit ever hooked keeps its marks until here
             unmark(unit.module)
             for _, alias in unit.aliases:
@@ -372,14 +380,20 @@ class ModelHooks:
         if owner is not None and owner != threading.get_ident():
             return None  # the rejected call of a second thread: the running forward's state is not ours
         unit = self.units[index]
-        running = self.running
-        if running and running[-1] is unit:  # not when its pre raised (and popped it)
-            running.pop()
-            if running:
+        try:
+            running = self.running
+            if running and running[-1] is unit:  # not when its pre raised (and popped it)
+                running.pop()
+                if running:
+                    return controller.step.nested_post(unit, output, running[-1])
+            elif running:  # its pre raised inside running[-1]: no prefetch, the caller gets its bytes back
                 return controller.step.nested_post(unit, output, running[-1])
-        elif running:  # its pre raised inside running[-1]: no prefetch, and the caller gets its bytes back
-            return controller.step.nested_post(unit, output, running[-1])
-        return controller.step.post(unit, output)
+            return controller.step.post(unit, output)
+        finally:
+            if unit in self._unhook_after_call and unit not in self.running:
+                self._unhook_after_call.discard(unit)
+                for handle in self._unit_handles.pop(unit, ()):
+                    handle.remove()  # PyTorch iterates over a copy of the hooks: safe from inside one
 
     def run_model_begin(self, signature: str) -> None:
         """The model's forward begins inside a larger compiled region (see compiled.py)."""

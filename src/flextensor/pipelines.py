@@ -268,6 +268,15 @@ class PipelineOffload:
         self._make_room(name, keep=None)
         self._last_run.append(name)
 
+    def before_outside_layout(self, name: str) -> None:
+        """Component ``name`` lays its plan out for a module of it called directly, outside its steps
+        (``text_encoder.get_input_embeddings()(ids)``): the others make room as for a step; which
+        component follows which is left as the steps taught it."""
+        if name in self._last_run:
+            self._last_run.remove(name)
+        self._make_room(name, keep=None)
+        self._last_run.append(name)
+
     def held_beside(self, name: str) -> int:
         """Device bytes the components other than ``name`` hold for their units."""
         return sum(self.engine(n).store.device_bytes_held() for n in self.components if n != name)
@@ -402,6 +411,7 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
         engine = pipeline.engine(name)
         engine.before_step = _pipeline_call(this, PipelineOffload.before_step, name)
         engine.after_step = _pipeline_call(this, PipelineOffload.after_step, name)
+        engine.before_outside_layout = _pipeline_call(this, PipelineOffload.before_outside_layout, name)
         engine.held_beside = _pipeline_call(this, PipelineOffload.held_beside, name, default=0)
     if isinstance(pipe, Mapping):
         _MAPPINGS[id(pipe)] = pipeline

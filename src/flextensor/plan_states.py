@@ -55,6 +55,7 @@ class PlanStates:
     recordings: dict[tuple[str, ...], StepRecorder]
     latest_recording: StepRecorder | None
     _check_next: bool
+    before_outside_layout: Any
 
     if TYPE_CHECKING:  # the engine's own
 
@@ -299,6 +300,8 @@ class PlanStates:
 
     def _ensure_layout(self) -> None:
         """Give units device bytes again after a layout was lost, for a unit called outside a forward."""
+        if self.before_outside_layout is not None:
+            self.before_outside_layout(self)  # a pipeline's other components make room, as for a step
         if self.current is not None:
             self._apply(self.current)
         elif self.phase is Phase.DISCOVERY:

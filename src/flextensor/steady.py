@@ -252,10 +252,10 @@ class OutsideForwardStep:
         self.warned = False
 
     def pre(self, unit: Unit) -> None:
-        if not self.warned:
-            self._notice(unit)
         if unit.placement is Placement.HOST:
             self.ensure_layout()
+        if not self.warned:
+            self._notice(unit)  # after the layout: a unit given back with its component counts as laid out
         if unit.resident:
             return
         compute = self.store.runtime.current_stream()
