@@ -390,7 +390,7 @@ class ModelHooks:
                 return controller.step.nested_post(unit, output, running[-1])
             return controller.step.post(unit, output)
         finally:
-            if unit in self._unhook_after_call and unit not in self.running:
+            if self._unhook_after_call and unit in self._unhook_after_call and unit not in self.running:
                 self._unhook_after_call.discard(unit)
                 for handle in self._unit_handles.pop(unit, ()):
                     handle.remove()  # PyTorch iterates over a copy of the hooks: safe from inside one
