@@ -11,7 +11,9 @@ loaded on demand and the output stays right.
 Ordering uses events only: a copy waits (on the device) for the compute that last read its range; compute
 waits for the copy. No ``record_stream`` is needed because the arena is never handed back to the caching
 allocator while streaming: it is replaced only when a layout changes (a new plan, new input shapes), and
-:meth:`DeviceStore.lay_out` synchronises the device before it lets go of the old one.
+:meth:`DeviceStore.lay_out` synchronises the device before it lets go of the old one; a pipeline
+component's switch orders the same on the device instead (see [Note: a switch in stream order] in
+stream_switch.py).
 
 [Note: one copy of a resident unit]
 A unit resident in every saved plan never streams, so once a plan is in place its private host pack is
@@ -40,6 +42,13 @@ from .host_store import UnitPack
 from .layout import UNIT_ALIGNMENT, minimal_arena_bytes, occupancy_cells, ring_layout
 from .nested_calls import NestedCalls
 from .sizes import align_up, format_bytes
+from .stream_switch import (
+    copy_after_compute,
+    in_stream_order,
+    let_go_in_stream_order,
+    upload_on_copy_stream,
+    wait_for_uploads,
+)
 from .units import Placement, Unit
 
 if TYPE_CHECKING:
@@ -154,6 +163,8 @@ class DeviceStore:
         self.coded_loads: CodedLoads | None = None  # staging slots and decode stream of coded loads
         self.recode: Callable[[Unit], None] | None = None  # encodes a pack built again (pack_compression.py)
         self.nested = NestedCalls(self)  # units called inside another after learning borrow their range
+        # The stream current when the layout in place was made: its forwards' (see stream_switch.py).
+        self.compute_stream: object = None
 
     def hold_in_reserve(self, nbytes: int) -> None:
         """Hold ``nbytes`` of device memory until the next layout, which frees it first and allocates into
@@ -199,6 +210,7 @@ class DeviceStore:
         # inference tensors carry no version counter, which in-place edits of weights are detected by.
         what = "flextensor.lay_out_ahead" if ahead else "flextensor.lay_out"
         with torch.inference_mode(False), torch.no_grad(), profiler_range(what):
+            self.compute_stream = self.runtime.current_stream()
             if not ahead:
                 self._lay_out(streamed, resident, arena_bytes, staged)
                 return
@@ -221,7 +233,9 @@ class DeviceStore:
         both = resident.intersection(streamed)
         if both:  # a hand-edited profile could say so; the planner never does
             raise PlanError(f"units both resident and streamed in one layout: {sorted(u.name for u in both)}")
-        if synchronize:
+        # From a store holding nothing (a pipeline component's step), ordered by streams instead.
+        ordered = synchronize and not self.device_bytes_held() and in_stream_order(self, False)
+        if synchronize and not ordered:
             self.runtime.synchronize()
         for unit in self.units:
             if unit.resident and unit not in resident:
@@ -246,9 +260,14 @@ class DeviceStore:
         layout = ring_layout([u.name for u in streamed], [u.nbytes for u in streamed], arena_bytes)
         self.arena = allocate_device_bytes(arena_bytes, self.runtime.device) if arena_bytes else None
         self.allocate_coded_loads([*streamed, *idle], streamed)
-        for unit in self.units:
-            if unit in resident and unit not in kept:
-                self._upload_resident(unit)
+        entering = [u for u in self.units if u in resident and u not in kept]
+        if ordered:
+            copy_after_compute(self)  # the memory just taken may be what queued compute still reads
+            upload_on_copy_stream(self, entering)
+            wait_for_uploads(self)
+        else:
+            for unit in entering:
+                self.upload_resident(unit)
 
         # Units never seen running are loaded on demand at the arena's start if they ever run.
         placed = [*streamed, *idle]
@@ -329,20 +348,21 @@ class DeviceStore:
             if unit.pack is not None and unit.pack.coded:
                 unit.pack.loads = None  # type: ignore[attr-defined]
 
-    def _upload_resident(self, unit: Unit) -> None:
-        """Give a unit entering residency storage of its own, holding its weights for good."""
+    def upload_resident(self, unit: Unit, non_blocking: bool = False) -> None:
+        """Give a unit entering residency storage of its own, holding its weights for good. ``non_blocking``:
+        the host does not wait for the copy (the pack must stay as it is until the copy stream passes)."""
         assert unit.pack is not None  # only a unit with device storage may lack its pack
         with profiler_range(f"flextensor.upload {unit.name}"):
-            self._upload(unit)
+            self._upload(unit, non_blocking)
 
-    def _upload(self, unit: Unit) -> None:
+    def _upload(self, unit: Unit, non_blocking: bool = False) -> None:
         assert unit.pack is not None
         storage = allocate_device_bytes(unit.nbytes, self.runtime.device)
         if unit.pack.coded and self.runtime.is_cuda:
             # Decoded on the device: the host's decoder runs at about 0.2 GB/s, 2 s per 8B-model layer.
             unit.pack.decode_through(self.runtime.device, storage)  # type: ignore[attr-defined]
         else:
-            storage.copy_(unit.pack.buffer)
+            storage.copy_(unit.pack.buffer, non_blocking=non_blocking)
         unit.storage = storage
         unit.point_parameters()
         unit.storage_version = unit.weights_version()
@@ -417,16 +437,20 @@ class DeviceStore:
     def vacate(self, keep_resident: bool = False) -> None:
         """Give back every device byte held for units (the arena, resident storage): each unit keeps only
         its host pack until the next layout. With ``keep_resident``, resident units keep their storage
-        (and their parameters) and only the streamed side goes. Plan time only: synchronises the device."""
+        (and their parameters) and only the streamed side goes. Plan time only: synchronises the device,
+        or orders the freed memory after its queued uses (see [Note: a switch in stream order])."""
         with profiler_range("flextensor.vacate"):
             self._vacate(keep_resident)
 
     def _vacate(self, keep_resident: bool) -> None:
-        self.runtime.synchronize()
-        if not keep_resident:
-            for unit in self.units:
-                if unit.resident:
-                    self._refresh_pack(unit)  # its storage may hold the only copy, or edits
+        if in_stream_order(self, not keep_resident):
+            let_go_in_stream_order(self, keep_resident)  # every resident unit's pack holds its weights
+        else:
+            self.runtime.synchronize()
+            if not keep_resident:
+                for unit in self.units:
+                    if unit.resident:
+                        self._refresh_pack(unit)  # its storage may hold the only copy, or edits
         self._free_device_bytes({u for u in self.units if u.resident} if keep_resident else set())
 
     # -- loading ------------------------------------------------------------------------------------------
