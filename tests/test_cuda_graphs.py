@@ -14,7 +14,7 @@ import flextensor
 from flextensor.api import engine_of
 from flextensor.cuda_graphs import steady_end_state
 from flextensor.errors import UnsupportedOperationError
-from flextensor.slots import holds_weights
+from flextensor.range_copies import holds_weights
 from flextensor.steady import CapturedStep
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config

@@ -1,8 +1,11 @@
 """A pipeline whose budget holds one component at a time: at each switch the component that ran gives its
 memory back and the next one lays its plan out, ordered by streams, without waiting for the device (see
-[Note: a switch in stream order] in stream_switch.py). The CUDA variant queues each forward behind a
-sleep, so the next component takes memory the previous one's queued kernels still read and writes its
-weights there: a missing wait would change the output. The CPU variant runs the same path in CI."""
+[Note: a switch in stream order] in stream_switch.py). On CUDA the first component's forward is queued
+behind a sleep, so the next one takes memory whose last reads are still queued, and its own first kernels
+(no sleep) come right after: a missing wait before its copies, after its uploads, or for the previous
+one's copies still queued changes the output. Link-bound blocks make every unit resident (the uploads),
+compute-bound ones stream them through a ring (the arena, prefetches queued at a forward's end). The CPU
+variants run the same path in CI."""
 
 from __future__ import annotations
 
@@ -19,25 +22,31 @@ from flextensor.slots import DeviceStore
 NAMES = ("first", "second", "third")
 
 
-class SlowBlocks(nn.Module):
-    """Blocks queued behind a sleep on a GPU: the host reaches the next component's switch while every
-    kernel of this forward, its reads of the weights included, still waits on the device."""
+class Blocks(nn.Module):
+    """``repeats`` passes through each block: 1 is link-bound on a GPU (a plan keeps every block resident
+    when the budget allows), 8 compute-bound (a plan streams them with the least memory). ``sleeps``: the
+    forward is queued behind a sleep on a GPU, its reads of the weights included, while the host goes on
+    to the next component's switch."""
 
-    def __init__(self, dim: int, layers: int) -> None:
+    def __init__(self, dim: int, layers: int, repeats: int, sleeps: bool) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.repeats, self.sleeps = repeats, sleeps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if x.is_cuda and self.sleeps:
             torch.cuda._sleep(20_000_000)  # about 10 ms
         for block in self.blocks:
-            x = torch.tanh(block(x))
+            for _ in range(self.repeats):
+                x = torch.tanh(block(x))
         return x
 
 
-def components(dim: int, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
+def components(dim: int, dtype: torch.dtype, device: str, repeats: int) -> dict[str, nn.Module]:
     torch.manual_seed(0)
-    return {name: SlowBlocks(dim, layers=6).to(device=device, dtype=dtype) for name in NAMES}
+    return {
+        name: Blocks(dim, 6, repeats, sleeps=name == "first").to(device=device, dtype=dtype) for name in NAMES
+    }
 
 
 def generation(parts: dict[str, nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -57,9 +66,8 @@ def run_until_steady(parts: dict[str, nn.Module], x: torch.Tensor, expected: tor
     raise AssertionError(f"not steady: {flextensor.phase(parts)}")
 
 
-def largest_peak(dim: int, dtype: torch.dtype, device: str, x: torch.Tensor) -> tuple[int, int]:
+def largest_peak(parts: dict[str, nn.Module], device: str, x: torch.Tensor) -> tuple[int, int]:
     """The largest planned peak of a step and the largest layout, with room for every component."""
-    parts = components(dim, dtype, device)
     expected = generation(parts, x)
     flextensor.offload(parts, flextensor.OffloadConfig(device=device))
     try:
@@ -99,29 +107,44 @@ def watch_switches(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> dict[str, int
     return seen
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            ],
-        ),
-    ],
+def watch_allocations(monkeypatch: pytest.MonkeyPatch, parts: dict[str, nn.Module]) -> list[bool]:
+    """Per device allocation of a layout: whether a copy stream was current (its blocks would go back to
+    that stream's pool only)."""
+    import flextensor.slots as slots
+
+    copy_streams = [engine_of(m).runtime.copy_stream for m in parts.values()]
+    seen: list[bool] = []
+    real = slots.allocate_device_bytes
+
+    def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+        seen.append(torch.cuda.current_stream() in copy_streams)
+        return real(nbytes, device)
+
+    monkeypatch.setattr(slots, "allocate_device_bytes", allocate)
+    return seen
+
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
 )
+
+
+@pytest.mark.parametrize("repeats", [1, 8], ids=["resident", "streamed"])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @torch.no_grad()
 def test_components_switch_without_waiting_for_the_device(
-    device: str, monkeypatch: pytest.MonkeyPatch
+    device: str, repeats: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cuda = device == "cuda"
-    dim, dtype = (4096, torch.bfloat16) if cuda else (64, torch.float32)
-    x = torch.randn(4096 if cuda else 4, dim, dtype=dtype, device=device)
-    peak, layout = largest_peak(dim, dtype, device, x)
-    budget = peak + layout // 2  # one component at a time: every switch gives back and lays out
-    parts = components(dim, dtype, device)
+    dim, tokens = ((4096, 4096) if repeats == 1 else (2048, 8192)) if cuda else (64, 4)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    x = torch.randn(tokens, dim, dtype=dtype, device=device)
+    peak, layout = largest_peak(components(dim, dtype, device, repeats), device, x)
+    # Room for one component's step, never for another's layout beside it: every switch gives back and
+    # lays out at the step, none ahead.
+    budget = peak + layout // 2
+    parts = components(dim, dtype, device, repeats)
     expected = generation(parts, x)
     flextensor.offload(parts, flextensor.OffloadConfig(device=device, gpu_memory_budget=budget))
     try:
@@ -129,15 +152,16 @@ def test_components_switch_without_waiting_for_the_device(
         pipeline = pipeline_of(parts)
         vacated, ahead = pipeline.vacated, pipeline.laid_out_ahead
         seen = watch_switches(monkeypatch, cuda)
+        on_copy_streams = watch_allocations(monkeypatch, parts) if cuda else []
         for _ in range(3):
             assert torch.equal(generation(parts, x), expected)
-        assert pipeline.laid_out_ahead == ahead  # no room for two: each lays out at its step
+        assert not any(on_copy_streams)  # from the compute stream's pool, which the next one reuses
+        assert pipeline.laid_out_ahead == ahead
         assert pipeline.vacated - vacated >= 6 and seen["vacate"] >= 6, seen
         assert seen["lay_out"] >= 6, seen
         assert seen["synchronize"] == 0, seen
         if cuda:
-            assert seen["compute_queued"] >= 6, seen  # the previous component's kernels still queued
-            assert torch.cuda.max_memory_allocated() > 0
+            assert seen["compute_queued"] >= 3, seen  # at least behind each generation's first sleep
     finally:
         flextensor.release(parts)
 
@@ -147,9 +171,9 @@ def test_a_switch_synchronises_where_streams_cannot_order_it(monkeypatch: pytest
     """A component under a host budget (its packs may be unpinned and staged at a layout) keeps the
     synchronising switch, and stays bitwise."""
     x = torch.randn(4, 64)
-    parts = components(64, torch.float32, "cpu")
+    parts = components(64, torch.float32, "cpu", repeats=1)
     expected = generation(parts, x)
-    peak, layout = largest_peak(64, torch.float32, "cpu", x)
+    peak, layout = largest_peak(components(64, torch.float32, "cpu", repeats=1), "cpu", x)
     weights = sum(p.numel() * p.element_size() for m in parts.values() for p in m.parameters())
     budget = peak + layout // 2
     config = flextensor.OffloadConfig(
@@ -162,5 +186,37 @@ def test_a_switch_synchronises_where_streams_cannot_order_it(monkeypatch: pytest
         assert torch.equal(generation(parts, x), expected)
         assert any(flextensor.status(m).staging_bytes for m in parts.values())  # a ring: packs staged
         assert seen["vacate"] >= 2 and seen["synchronize"] >= seen["vacate"], seen
+    finally:
+        flextensor.release(parts)
+
+
+@torch.no_grad()
+def test_a_forward_on_another_stream_makes_the_next_switch_synchronise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ordering on the stream current at a switch covers only the forwards queued there: once a component
+    ran a forward on another stream, giving it back synchronises; its next layout starts afresh."""
+    x = torch.randn(4, 64)
+    parts = components(64, torch.float32, "cpu", repeats=1)
+    expected = generation(parts, x)
+    peak, layout = largest_peak(components(64, torch.float32, "cpu", repeats=1), "cpu", x)
+    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=peak + layout // 2))
+    try:
+        run_until_steady(parts, x, expected)
+        seen = watch_switches(monkeypatch, cuda=False)
+        runtime = engine_of(parts["second"]).runtime
+        out = parts["second"](parts["first"](x))  # "second" laid out at its step, on this stream
+        with monkeypatch.context() as patched:  # its next step on a stream of its own (a CPU stand-in)
+            other = type(runtime.current_stream())()
+            patched.setattr(runtime, "current_stream", lambda: other)
+            out = parts["second"](out)
+        out = parts["second"](out)
+        for _ in range(2):
+            out = parts["third"](out)
+        assert torch.equal(out, expected)
+        assert seen["synchronize"] >= 1, seen  # "second" gave its memory back at "third"'s step
+        synchronized = seen["synchronize"]
+        assert torch.equal(generation(parts, x), expected)
+        assert seen["synchronize"] == synchronized, seen  # laid out again on this stream: ordered
     finally:
         flextensor.release(parts)

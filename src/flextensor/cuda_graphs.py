@@ -33,7 +33,8 @@ import torch
 
 from .device import DeviceRuntime
 from .errors import UnsupportedOperationError
-from .slots import DeviceStore, holds_weights
+from .range_copies import holds_weights
+from .slots import DeviceStore
 from .units import Unit
 
 logger = logging.getLogger("flextensor")

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .slots import DeviceStore, holds_weights
+from .range_copies import holds_weights
+from .slots import DeviceStore
 from .steady import RecordedStep
 from .timeline import StepRecorder
 from .units import Unit

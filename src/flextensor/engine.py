@@ -42,6 +42,7 @@ from .steady import (
     RecordedStep,
     steady_step,
 )
+from .stream_switch import note_forward_stream
 from .timeline import StepRecorder
 from .units import Placement, Unit
 from .weight_access import StreamedWeights
@@ -212,6 +213,8 @@ class OffloadEngine(ForwardEnds):
                 "offload() or after flextensor.release(model)"
             )
         refuse_forward_over_edits(self)
+        if self.store.keep_packs:  # a pipeline component: its switches are ordered by streams
+            note_forward_stream(self.store)
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
             self.plan_again_if_crowded(signature, self.held_beside())  # its caller may hold more now

@@ -22,7 +22,8 @@ from typing import Any
 
 from .device import DeviceRuntime
 from .measurements import LinkModel, Measurements, UnitMeasurement
-from .slots import DeviceStore, copy_into_range, holds_weights
+from .range_copies import copy_into_range, holds_weights
+from .slots import DeviceStore
 from .timeline import Timeline
 from .units import Unit
 

@@ -41,14 +41,9 @@ from .host_budget import HostBudget
 from .host_store import UnitPack
 from .layout import UNIT_ALIGNMENT, minimal_arena_bytes, occupancy_cells, ring_layout
 from .nested_calls import NestedCalls
+from .range_copies import copy_into_range
 from .sizes import align_up, format_bytes
-from .stream_switch import (
-    copy_after_compute,
-    in_stream_order,
-    let_go_in_stream_order,
-    upload_on_copy_stream,
-    wait_for_uploads,
-)
+from .stream_switch import copy_after_compute, in_stream_order, let_go_in_stream_order, wait_for_uploads
 from .units import Placement, Unit
 
 if TYPE_CHECKING:
@@ -60,10 +55,7 @@ __all__ = [
     "DeviceStore",
     "StoreCounters",
     "allocate_device_bytes",
-    "copy_into_range",
-    "holds_weights",
     "release_copy",
-    "wait_for_decodes",
 ]
 
 
@@ -77,61 +69,6 @@ def release_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A private copy of ``tensor`` on ``device``, strides kept: what a released parameter holds (one place
     for tests to fail part-way, as running out of memory would)."""
     return tensor.to(device, copy=True)
-
-
-def holds_weights(unit: Unit, owner: list[Unit | None]) -> bool:
-    """Whether ``unit``'s arena range holds its weights (or their copy is in flight): it occupies every
-    cell of its range."""
-    for cell in unit.cells:  # noqa: SIM110 (a loop, not all(): this runs per unit per forward)
-        if owner[cell] is not unit:
-            return False
-    return True
-
-
-def copy_into_range(unit: Unit, owner: list[Unit | None], copy_stream: object) -> None:
-    """Issue the copy of ``unit``'s pack into its arena range; the copy stream must be current.
-
-    The cells are emptied before the bytes change and claimed only once the copy and its event are
-    issued: an interrupt (Ctrl-C) anywhere in between leaves them unowned, so every unit there loads again
-    rather than compute with bytes that are not its own.
-    """
-    cells = unit.cells
-    wait_for_decodes(unit, owner, copy_stream)
-    for cell in cells:
-        owner[cell] = None
-    if unit.pack.coded:  # type: ignore[union-attr]  # compressed: copied, then decoded (coded_packs.py)
-        unit.pack.loads.load(unit, copy_stream)  # type: ignore[union-attr]  # records copy_done itself
-        for cell in cells:
-            owner[cell] = unit
-        return
-    if unit.staging is None:
-        unit.storage.copy_(unit.pack.buffer, non_blocking=True)  # type: ignore[union-attr]
-    elif unit.pack.disk:  # type: ignore[union-attr]  # read from the checkpoint (see disk_tier.py)
-        unit.pack.copy_through(unit.staging, unit.storage, copy_stream)  # type: ignore[union-attr]
-    else:  # a pageable pack under the host budget (see [Note: staging ring] in staging.py)
-        unit.staging.copy_from_host(unit.storage, unit.pack.buffer, copy_stream)  # type: ignore[union-attr]
-    unit.copy_done.record(copy_stream)
-    for cell in cells:
-        owner[cell] = unit
-
-
-def wait_for_decodes(unit: Unit, owner: list[Unit | None], copy_stream: object) -> None:
-    """Before ``unit``'s load writes its range: a compressed unit whose bytes are there was decoded on the
-    decode stream (see [Note: coded packs] in coded_packs.py), unordered with the copy stream; wait for
-    that unit's decode (its own event: in the planned order it ran before this load was issued, so the
-    wait costs nothing, whereas waiting for every decode would idle the link during each). One look per
-    cell, no wait when nothing there is compressed."""
-    previous = None
-    for cell in unit.cells:
-        occupant = owner[cell]
-        if occupant is None or occupant is unit or occupant is previous:
-            continue
-        previous = occupant
-        pack = occupant.pack
-        if pack is not None and pack.coded:
-            loads = pack.loads  # type: ignore[attr-defined]
-            if loads is not None:
-                loads.wait_decoded(copy_stream, occupant)
 
 
 @dataclass
@@ -163,7 +100,8 @@ class DeviceStore:
         self.coded_loads: CodedLoads | None = None  # staging slots and decode stream of coded loads
         self.recode: Callable[[Unit], None] | None = None  # encodes a pack built again (pack_compression.py)
         self.nested = NestedCalls(self)  # units called inside another after learning borrow their range
-        # The stream current when the layout in place was made: its forwards' (see stream_switch.py).
+        # The stream every forward since the layout in place ran on; None once one ran on another (see
+        # stream_switch.py).
         self.compute_stream: object = None
 
     def hold_in_reserve(self, nbytes: int) -> None:
@@ -262,8 +200,10 @@ class DeviceStore:
         self.allocate_coded_loads([*streamed, *idle], streamed)
         entering = [u for u in self.units if u in resident and u not in kept]
         if ordered:
-            copy_after_compute(self)  # the memory just taken may be what queued compute still reads
-            upload_on_copy_stream(self, entering)
+            # The memory taken here may be what compute queued before still reads (see the note).
+            copy_after_compute(self)
+            for unit in entering:
+                self.upload_resident(unit, self.runtime.copy_stream)
             wait_for_uploads(self)
         else:
             for unit in entering:
@@ -348,21 +288,29 @@ class DeviceStore:
             if unit.pack is not None and unit.pack.coded:
                 unit.pack.loads = None  # type: ignore[attr-defined]
 
-    def upload_resident(self, unit: Unit, non_blocking: bool = False) -> None:
-        """Give a unit entering residency storage of its own, holding its weights for good. ``non_blocking``:
-        the host does not wait for the copy (the pack must stay as it is until the copy stream passes)."""
+    def upload_resident(self, unit: Unit, copy_stream: object = None) -> None:
+        """Give a unit entering residency storage of its own, holding its weights for good, taken on the
+        current stream. ``copy_stream``: the copy runs there and the host does not wait for it (the pack
+        must stay as it is until that stream passes)."""
         assert unit.pack is not None  # only a unit with device storage may lack its pack
         with profiler_range(f"flextensor.upload {unit.name}"):
-            self._upload(unit, non_blocking)
+            self._upload(unit, copy_stream)
 
-    def _upload(self, unit: Unit, non_blocking: bool = False) -> None:
+    def _upload(self, unit: Unit, copy_stream: object = None) -> None:
         assert unit.pack is not None
         storage = allocate_device_bytes(unit.nbytes, self.runtime.device)
         if unit.pack.coded and self.runtime.is_cuda:
             # Decoded on the device: the host's decoder runs at about 0.2 GB/s, 2 s per 8B-model layer.
             unit.pack.decode_through(self.runtime.device, storage)  # type: ignore[attr-defined]
+        elif copy_stream is None:
+            storage.copy_(unit.pack.buffer)
         else:
-            storage.copy_(unit.pack.buffer, non_blocking=non_blocking)
+            previous = self.runtime.current_stream()
+            self.runtime.set_stream(copy_stream)
+            try:
+                storage.copy_(unit.pack.buffer, non_blocking=True)
+            finally:
+                self.runtime.set_stream(previous)
         unit.storage = storage
         unit.point_parameters()
         unit.storage_version = unit.weights_version()

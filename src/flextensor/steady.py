@@ -23,7 +23,8 @@ import torch
 
 from .cudart_calls import CudartCalls
 from .device import HostCalls
-from .slots import DeviceStore, copy_into_range, holds_weights, wait_for_decodes
+from .range_copies import copy_into_range, holds_weights, wait_for_decodes
+from .slots import DeviceStore
 from .timeline import StepRecorder
 from .units import Placement, Unit
 

@@ -18,7 +18,9 @@ two steps are ordered on the device instead:
   point.
 - Laying out (``DeviceStore._lay_out``): from a store that holds nothing, memory is taken with the compute
   stream current (so it may be memory the previous component's queued kernels still read); the copy
-  stream waits for the compute stream before it writes any of it; the resident units upload on the copy
+  stream waits for the compute stream before it writes any of it; each resident unit's storage is taken
+  the same way (taken on the copy stream, it could go back only to that stream's pool, and PyTorch's
+  reserved memory grew to 19.7 GB under an 8 GiB budget: H100, 2026-12-06) and uploaded on the copy
   stream without blocking the host; the compute stream waits for those uploads before the forward.
 
 The GPU then runs the previous component's last kernels, the uploads and the next component's first
@@ -26,24 +28,25 @@ kernels back to back while the host is already queuing further ahead.
 
 Only where nothing else needs the device idle: packs kept (a pipeline component's), all pinned or
 pageable in full (no host budget, no staging ring, no checkpoint reads, no compressed packs), resident
-units unedited since their upload (an edit is copied to the host pack first), and the forward's stream
-the one the layout was made from. Otherwise both steps synchronise, as before.
+units unedited since their upload (an edit is copied to the host pack first), every forward since the
+layout run on the stream current at the switch (``note_forward_stream``), and no CUDA graph capture under
+way. Otherwise both steps synchronise, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import torch
 
 if TYPE_CHECKING:
     from .slots import DeviceStore
-    from .units import Unit
 
 __all__ = [
     "copy_after_compute",
     "in_stream_order",
     "let_go_in_stream_order",
-    "upload_on_copy_stream",
+    "note_forward_stream",
     "wait_for_uploads",
 ]
 
@@ -53,8 +56,10 @@ def in_stream_order(store: DeviceStore, giving_back_residents: bool) -> bool:
     ``giving_back_residents``: a vacate that frees resident storage too, whose packs must be current."""
     if not store.keep_packs or store.coded_loads is not None or store.host.capacity is not None:
         return False
-    if store.runtime.current_stream() != store.compute_stream:
-        return False  # memory taken from another stream's pool: ordering on this one would not cover it
+    if store.compute_stream is None or store.runtime.current_stream() != store.compute_stream:
+        return False  # forwards on another stream: ordering on this one would not cover their reads
+    if store.runtime.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # a capture would only record the copies: synchronising refuses it, as before
     for unit in store.units:
         pack = unit.pack
         if pack is None or pack.coded or pack.disk or unit.staging is not None:
@@ -91,13 +96,8 @@ def copy_after_compute(store: DeviceStore) -> None:
     store.runtime.copy_stream.wait_stream(store.runtime.current_stream())
 
 
-def upload_on_copy_stream(store: DeviceStore, units: Sequence[Unit]) -> None:
-    """Upload ``units`` (entering residency) on the copy stream, the host not waiting for the copies."""
-    runtime = store.runtime
-    compute = runtime.current_stream()
-    runtime.set_stream(runtime.copy_stream)
-    try:
-        for unit in units:
-            store.upload_resident(unit, non_blocking=True)
-    finally:
-        runtime.set_stream(compute)
+def note_forward_stream(store: DeviceStore) -> None:
+    """A forward begins: if it runs on another stream than the layout's forwards so far, the next switch
+    synchronises (ordering on one stream would not cover reads queued on the other)."""
+    if store.compute_stream is not None and store.runtime.current_stream() != store.compute_stream:
+        store.compute_stream = None
