@@ -289,6 +289,9 @@ class CountingRuns:
         assert in_graph  # called by the op from a compiled graph (see [Note: nested calls])
         self.calls.append(("pre", index))
 
+    def check_in_place(self, index: int, weight: torch.Tensor) -> None:
+        self.calls.append(("check", index))
+
     def run_unit_post(self, index: int) -> None:
         self.calls.append(("post", index))
 
@@ -386,3 +389,22 @@ def test_a_forward_reading_weight_data_compiles_whole_and_streams_bitwise() -> N
         outputs = [compiled(x) for _ in range(3)]
     assert_all_stream(model)
     assert all(torch.equal(out, reference) for out in outputs)
+
+
+@pytest.mark.parametrize("which", CASES)
+def test_a_backend_that_copies_the_weights_is_refused(which: str) -> None:
+    """aot_eager has no re-inplacing: it runs the pre op on copies of the weights taken before they
+    arrive, computes with them and writes them back over other units (NaN on the tiny Wan transformer).
+    The first compiled forward raises, naming the backends that work; the model runs eagerly after."""
+    case = CASES[which]()
+    with torch.no_grad():
+        expected = case.run(case.build())
+    model = offloaded(case)
+    whole = torch.compile(model, backend="aot_eager")
+    with torch.no_grad(), pytest.raises(UnsupportedOperationError, match="inductor"):
+        for _ in range(FORWARDS):
+            case.run(whole)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(case.run(model), expected)
+        assert torch.equal(case.run(torch.compile(model, backend="eager")), expected)  # Dynamo alone

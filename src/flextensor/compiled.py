@@ -25,6 +25,13 @@ Dynamo meets flextensor's hooks in one of two ways, and neither puts the engine'
   unit whose result leaves the unit other than through its output (an in-place write to an input).
   Both ops write a per-model token, so they keep the forward's order among themselves.
 
+  That the pre op runs on the weights themselves is inductor's doing (it re-inplaces the op). A backend
+  without that pass (``aot_eager``) runs it on copies taken before the weights arrive, computes with those
+  copies and writes them back into the arena at the graph's end, over other units' weights: silently wrong
+  outputs (NaN in a CPU check of the tiny Wan2.2 transformer, 2026-12-06). The op checks that its first
+  weight lies in the unit's device bytes and raises ``UnsupportedOperationError`` otherwise, before the
+  unit runs: one pointer comparison per unit.
+
   Their fake implementations do nothing; at run time they call the same Python as the eager hooks, found
   through the engine id and unit index they carry as constants (constants, not tensors: a graph holds
   every unit it traced, so nothing multiplies per unit, and CUDA graphs see no extra inputs).
@@ -70,6 +77,8 @@ class CompiledRuns(Protocol):
 
     def run_unit_pre(self, index: int, in_graph: bool = False) -> None: ...
 
+    def check_in_place(self, index: int, weight: torch.Tensor) -> None: ...
+
     def run_unit_post(self, index: int) -> None: ...
 
     def run_model_begin(self, signature: str) -> None: ...
@@ -110,7 +119,10 @@ def _runs(model_id: int) -> CompiledRuns:
 @torch.library.custom_op("flextensor::unit_pre", mutates_args=("weights", "token"))
 def unit_pre(weights: list[torch.Tensor], token: torch.Tensor, model_id: int, index: int) -> None:
     """The unit's weights are ready (or are made ready) before any kernel that reads them."""
-    _runs(model_id).run_unit_pre(index, in_graph=True)
+    runs = _runs(model_id)
+    if weights:
+        runs.check_in_place(index, weights[0])  # see [Note: compiled hot path]: never a copy of them
+    runs.run_unit_pre(index, in_graph=True)
 
 
 @unit_pre.register_fake

@@ -352,6 +352,27 @@ class ModelHooks:
                 self.model_end(None)  # the graph's model_end op will not run: end the forward (failed)
             raise
 
+    def check_in_place(self, index: int, weight: torch.Tensor) -> None:
+        """A compiled graph's pre op got ``weight`` for unit ``index``: it must be the weight itself, in
+        the unit's device bytes, not a copy a backend made (see [Note: compiled hot path])."""
+        unit = self.units[index]
+        storage = unit.storage
+        if self.order_by_inputs or storage is None:
+            return  # ordered by the unit's inputs (vLLM), or given back: laid out by this very op
+        try:
+            pointer = weight.data_ptr()
+        except RuntimeError:
+            return  # a tensor subclass with no storage of its own: nothing to compare
+        start = storage.data_ptr()
+        if not start <= pointer < start + max(unit.nbytes, 1):
+            raise UnsupportedOperationError(
+                f"a compiled graph gave flextensor's hook of unit {unit.name!r} a copy of its weights, not "
+                "the weights themselves: this torch.compile backend (aot_eager, or another without "
+                "inductor's re-inplacing) would compute with weights copied before they arrive and write "
+                "them back over other units; compile with the default backend (inductor), or "
+                "backend='eager', or compile the blocks (block.compile()) instead of the whole model"
+            )
+
     def run_alias_pre(self, index: int, alias: str) -> bool:
         """A module holding some of unit ``index``'s weights is called: the unit's pre-hook, after the
         learning forwards hear of it (see [Note: tied aliases] in discovery.py). Whether the call stands
