@@ -18,6 +18,8 @@ from flextensor.api import engine_of
 from flextensor.device import DeviceRuntime
 from flextensor.pipelines import pipeline_of
 from flextensor.slots import DeviceStore
+from test_gpu_pipeline import generation
+from test_gpu_pipeline import steady as run_until_steady
 
 NAMES = ("first", "second", "third")
 
@@ -47,23 +49,6 @@ def components(dim: int, dtype: torch.dtype, device: str, repeats: int) -> dict[
     return {
         name: Blocks(dim, 6, repeats, sleeps=name == "first").to(device=device, dtype=dtype) for name in NAMES
     }
-
-
-def generation(parts: dict[str, nn.Module], x: torch.Tensor) -> torch.Tensor:
-    x = parts["first"](x)
-    for _ in range(3):
-        x = parts["second"](x)
-    for _ in range(2):
-        x = parts["third"](x)
-    return x
-
-
-def run_until_steady(parts: dict[str, nn.Module], x: torch.Tensor, expected: torch.Tensor) -> None:
-    for _ in range(6):
-        assert torch.equal(generation(parts, x), expected)
-        if flextensor.phase(parts) == "inference":
-            return
-    raise AssertionError(f"not steady: {flextensor.phase(parts)}")
 
 
 def largest_peak(parts: dict[str, nn.Module], device: str, x: torch.Tensor) -> tuple[int, int]:
