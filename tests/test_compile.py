@@ -285,12 +285,11 @@ class CountingRuns:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
 
-    def run_unit_pre(self, index: int, in_graph: bool = False) -> None:
-        assert in_graph  # called by the op from a compiled graph (see [Note: nested calls])
+    def run_unit_pre(
+        self, index: int, in_graph: bool = False, weights: list[torch.Tensor] | None = None
+    ) -> None:
+        assert in_graph and weights is not None  # called by the op from a compiled graph, with its weights
         self.calls.append(("pre", index))
-
-    def check_in_place(self, index: int, weight: torch.Tensor) -> None:
-        self.calls.append(("check", index))
 
     def run_unit_post(self, index: int) -> None:
         self.calls.append(("post", index))
@@ -408,3 +407,54 @@ def test_a_backend_that_copies_the_weights_is_refused(which: str) -> None:
     with torch.no_grad():
         assert torch.equal(case.run(model), expected)
         assert torch.equal(case.run(torch.compile(model, backend="eager")), expected)  # Dynamo alone
+
+
+def test_a_refusal_inside_a_larger_compiled_module_ends_its_forward() -> None:
+    """The refused pre op is the model's forward's last word: its bracket closes as for any failed
+    pre-hook, so the next calls begin forwards of their own (plans switch, pipelines make room)."""
+    from flextensor.api import engine_of
+
+    case = _llama_case()
+    inner = offloaded(case)
+    wrapper = Wrapper(case.build())
+    wrapper.inner = inner
+    with torch.no_grad():
+        for _ in range(FORWARDS):
+            wrapper(llama_inputs())
+        with pytest.raises(UnsupportedOperationError, match="inductor"):
+            torch.compile(wrapper, backend="aot_eager")(llama_inputs())
+    engine = engine_of(inner)
+    assert engine.bracket.depth == 0 and engine.bracket.owner is None
+    forwards = engine.forwards
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(wrapper, backend="eager")(llama_inputs())
+    assert engine.forwards == forwards + 1
+
+
+class FirstWeightEmpty(nn.Module):
+    """A block whose first parameter is an empty marker (a common way to find a module's device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marker = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def test_a_unit_whose_first_weight_is_empty_compiles_whole() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(FirstWeightEmpty() for _ in range(3)))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        expected = torch.compile(copy.deepcopy(model))(x)
+    torch._dynamo.reset()
+    flextensor.offload(model, streaming_config(model, ["*"]))
+    with torch.no_grad():
+        for _ in range(FORWARDS):  # learning, eagerly
+            model(x)
+        assert flextensor.phase(model) == "inference"
+        outputs = [torch.compile(model)(x) for _ in range(3)]
+    assert all(torch.equal(o, expected) for o in outputs)

@@ -205,3 +205,32 @@ def test_a_forward_on_another_stream_makes_the_next_switch_synchronise(
         assert seen["synchronize"] == synchronized, seen  # laid out again on this stream: ordered
     finally:
         flextensor.release(parts)
+
+
+@torch.no_grad()
+def test_a_unit_called_on_another_stream_outside_a_forward_makes_the_next_switch_synchronise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a forward on another stream: a block of the component called by hand there counts too."""
+    x = torch.randn(4, 64)
+    parts = components(64, torch.float32, "cpu", repeats=1)
+    expected = generation(parts, x)
+    peak, layout = largest_peak(components(64, torch.float32, "cpu", repeats=1), "cpu", x)
+    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=peak + layout // 2))
+    try:
+        run_until_steady(parts, x, expected)
+        seen = watch_switches(monkeypatch, cuda=False)
+        runtime = engine_of(parts["second"]).runtime
+        out = parts["second"](parts["first"](x))  # "second" laid out at its step, on this stream
+        with monkeypatch.context() as patched:
+            other = type(runtime.current_stream())()
+            patched.setattr(runtime, "current_stream", lambda: other)
+            parts["second"].blocks[0](out)  # by hand, between its steps, on a stream of its own
+        for _ in range(2):
+            out = parts["second"](out)
+        for _ in range(2):
+            out = parts["third"](out)
+        assert torch.equal(out, expected)
+        assert seen["synchronize"] >= 1, seen  # "second" gave its memory back at "third"'s step
+    finally:
+        flextensor.release(parts)

@@ -28,9 +28,10 @@ Dynamo meets flextensor's hooks in one of two ways, and neither puts the engine'
   That the pre op runs on the weights themselves is inductor's doing (it re-inplaces the op). A backend
   without that pass (``aot_eager``) runs it on copies taken before the weights arrive, computes with those
   copies and writes them back into the arena at the graph's end, over other units' weights: silently wrong
-  outputs (NaN in a CPU check of the tiny Wan2.2 transformer, 2026-12-06). The op checks that its first
-  weight lies in the unit's device bytes and raises ``UnsupportedOperationError`` otherwise, before the
-  unit runs: one pointer comparison per unit.
+  outputs (NaN in a CPU check of the tiny Wan2.2 transformer, 2026-12-06). The pre op checks that the
+  unit's first non-empty weight lies in its device bytes and raises ``UnsupportedOperationError``
+  otherwise, before the unit runs, ending the forward as a failed pre-hook does: one pointer comparison
+  per unit.
 
   Their fake implementations do nothing; at run time they call the same Python as the eager hooks, found
   through the engine id and unit index they carry as constants (constants, not tensors: a graph holds
@@ -75,9 +76,9 @@ __all__ = [
 class CompiledRuns(Protocol):
     """What the ops call on the hooks of the model they belong to."""
 
-    def run_unit_pre(self, index: int, in_graph: bool = False) -> None: ...
-
-    def check_in_place(self, index: int, weight: torch.Tensor) -> None: ...
+    def run_unit_pre(
+        self, index: int, in_graph: bool = False, weights: list[torch.Tensor] | None = None
+    ) -> None: ...
 
     def run_unit_post(self, index: int) -> None: ...
 
@@ -119,10 +120,7 @@ def _runs(model_id: int) -> CompiledRuns:
 @torch.library.custom_op("flextensor::unit_pre", mutates_args=("weights", "token"))
 def unit_pre(weights: list[torch.Tensor], token: torch.Tensor, model_id: int, index: int) -> None:
     """The unit's weights are ready (or are made ready) before any kernel that reads them."""
-    runs = _runs(model_id)
-    if weights:
-        runs.check_in_place(index, weights[0])  # see [Note: compiled hot path]: never a copy of them
-    runs.run_unit_pre(index, in_graph=True)
+    _runs(model_id).run_unit_pre(index, in_graph=True, weights=weights)
 
 
 @unit_pre.register_fake

@@ -325,7 +325,9 @@ class ModelHooks:
 
     # The two methods below run per streamed unit per forward: attribute reads, no helper calls.
 
-    def run_unit_pre(self, index: int, in_graph: bool = False) -> None:
+    def run_unit_pre(
+        self, index: int, in_graph: bool = False, weights: list[torch.Tensor] | None = None
+    ) -> None:
         controller = self._controller_ref()
         assert controller is not None, "the engine these hooks belong to is gone"
         owner = controller.bracket.owner
@@ -346,25 +348,30 @@ class ModelHooks:
                 controller.step.pre(unit)
             else:
                 controller.step.nested_pre(unit, running, in_graph)
+            if weights:  # a compiled graph's op: never copies of them (see [Note: compiled hot path])
+                self._refuse_copies(unit, weights)
         except BaseException:
             running.pop()  # its post may not come (an alias's does not when its pre raised)
             if in_graph and self.forward_in_graph and controller.bracket.depth == 1:
                 self.model_end(None)  # the graph's model_end op will not run: end the forward (failed)
             raise
 
-    def check_in_place(self, index: int, weight: torch.Tensor) -> None:
-        """A compiled graph's pre op got ``weight`` for unit ``index``: it must be the weight itself, in
-        the unit's device bytes, not a copy a backend made (see [Note: compiled hot path])."""
-        unit = self.units[index]
+    def _refuse_copies(self, unit: Unit, weights: list[torch.Tensor]) -> None:
+        """A compiled graph's pre op got ``weights`` for ``unit``: they must be the weights themselves, in
+        the unit's device bytes, not copies a backend made (see [Note: compiled hot path]). The first
+        non-empty one is compared (an empty view has no address)."""
         storage = unit.storage
         if self.order_by_inputs or storage is None:
-            return  # ordered by the unit's inputs (vLLM), or given back: laid out by this very op
+            return  # ordered by the unit's inputs (vLLM); no device bytes to compare with
+        weight = next((w for w in weights if w.numel()), None)
+        if weight is None:
+            return
         try:
             pointer = weight.data_ptr()
         except RuntimeError:
             return  # a tensor subclass with no storage of its own: nothing to compare
         start = storage.data_ptr()
-        if not start <= pointer < start + max(unit.nbytes, 1):
+        if not start <= pointer < start + unit.nbytes:
             raise UnsupportedOperationError(
                 f"a compiled graph gave flextensor's hook of unit {unit.name!r} a copy of its weights, not "
                 "the weights themselves: this torch.compile backend (aot_eager, or another without "

@@ -25,6 +25,7 @@ from .cudart_calls import CudartCalls
 from .device import HostCalls
 from .range_copies import copy_into_range, holds_weights, wait_for_decodes
 from .slots import DeviceStore
+from .stream_switch import note_forward_stream
 from .timeline import StepRecorder
 from .units import Placement, Unit
 
@@ -255,6 +256,8 @@ class OutsideForwardStep:
     def pre(self, unit: Unit) -> None:
         if unit.placement is Placement.HOST:
             self.ensure_layout()
+        if self.store.keep_packs:  # a pipeline component: its next switch must see this call's stream
+            note_forward_stream(self.store)
         if not self.warned:
             self._notice(unit)  # after the layout: a unit given back with its component counts as laid out
         if unit.resident:

@@ -29,8 +29,9 @@ kernels back to back while the host is already queuing further ahead.
 Only where nothing else needs the device idle: packs kept (a pipeline component's), all pinned or
 pageable in full (no host budget, no staging ring, no checkpoint reads, no compressed packs), resident
 units unedited since their upload (an edit is copied to the host pack first), every forward since the
-layout run on the stream current at the switch (``note_forward_stream``), and no CUDA graph capture under
-way. Otherwise both steps synchronise, as before.
+layout (and every unit called outside one) run on the stream current at the switch
+(``note_forward_stream``), and no CUDA graph capture under way. Otherwise both steps synchronise, as
+before.
 """
 
 from __future__ import annotations
