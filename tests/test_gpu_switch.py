@@ -134,6 +134,13 @@ def test_components_switch_without_waiting_for_the_device(
     flextensor.offload(parts, flextensor.OffloadConfig(device=device, gpu_memory_budget=budget))
     try:
         run_until_steady(parts, x, expected)
+        engines = [engine_of(m) for m in parts.values()]
+        layouts = [
+            e.current.plan.arena_bytes + sum(e.units[n].nbytes for n in e.current.plan.resident)
+            for e in engines
+        ]
+        # The setup, not the switch: no component's step fits beside another's layout.
+        assert min(layouts) + min(e.planned_peak_bytes() for e in engines) > budget, (layouts, budget)
         pipeline = pipeline_of(parts)
         vacated, ahead = pipeline.vacated, pipeline.laid_out_ahead
         seen = watch_switches(monkeypatch, cuda)
