@@ -182,12 +182,14 @@ def test_a_switch_synchronises_where_streams_cannot_order_it(monkeypatch: pytest
         flextensor.release(parts)
 
 
+@pytest.mark.parametrize("by_hand", [False, True], ids=["forward", "unit-by-hand"])
 @torch.no_grad()
-def test_a_forward_on_another_stream_makes_the_next_switch_synchronise(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_call_on_another_stream_makes_the_next_switch_synchronise(
+    by_hand: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ordering on the stream current at a switch covers only the forwards queued there: once a component
-    ran a forward on another stream, giving it back synchronises; its next layout starts afresh."""
+    """Ordering on the stream current at a switch covers only the work queued there: once a component ran
+    a forward, or one of its blocks called by hand, on another stream, giving it back synchronises; its
+    next layout starts afresh."""
     x = torch.randn(4, 64)
     parts = components(64, torch.float32, "cpu", repeats=1)
     expected = generation(parts, x)
@@ -198,11 +200,15 @@ def test_a_forward_on_another_stream_makes_the_next_switch_synchronise(
         seen = watch_switches(monkeypatch, cuda=False)
         runtime = engine_of(parts["second"]).runtime
         out = parts["second"](parts["first"](x))  # "second" laid out at its step, on this stream
-        with monkeypatch.context() as patched:  # its next step on a stream of its own (a CPU stand-in)
+        with monkeypatch.context() as patched:  # a stream of its own (a CPU stand-in)
             other = type(runtime.current_stream())()
             patched.setattr(runtime, "current_stream", lambda: other)
+            if by_hand:
+                parts["second"].blocks[0](out)  # between its steps
+            else:
+                out = parts["second"](out)
+        for _ in range(1 if not by_hand else 2):
             out = parts["second"](out)
-        out = parts["second"](out)
         for _ in range(2):
             out = parts["third"](out)
         assert torch.equal(out, expected)
@@ -210,34 +216,5 @@ def test_a_forward_on_another_stream_makes_the_next_switch_synchronise(
         synchronized = seen["synchronize"]
         assert torch.equal(generation(parts, x), expected)
         assert seen["synchronize"] == synchronized, seen  # laid out again on this stream: ordered
-    finally:
-        flextensor.release(parts)
-
-
-@torch.no_grad()
-def test_a_unit_called_on_another_stream_outside_a_forward_makes_the_next_switch_synchronise(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """As a forward on another stream: a block of the component called by hand there counts too."""
-    x = torch.randn(4, 64)
-    parts = components(64, torch.float32, "cpu", repeats=1)
-    expected = generation(parts, x)
-    peak, layout = largest_peak(components(64, torch.float32, "cpu", repeats=1), "cpu", x)
-    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=peak + layout // 2))
-    try:
-        run_until_steady(parts, x, expected)
-        seen = watch_switches(monkeypatch, cuda=False)
-        runtime = engine_of(parts["second"]).runtime
-        out = parts["second"](parts["first"](x))  # "second" laid out at its step, on this stream
-        with monkeypatch.context() as patched:
-            other = type(runtime.current_stream())()
-            patched.setattr(runtime, "current_stream", lambda: other)
-            parts["second"].blocks[0](out)  # by hand, between its steps, on a stream of its own
-        for _ in range(2):
-            out = parts["second"](out)
-        for _ in range(2):
-            out = parts["third"](out)
-        assert torch.equal(out, expected)
-        assert seen["synchronize"] >= 1, seen  # "second" gave its memory back at "third"'s step
     finally:
         flextensor.release(parts)
