@@ -15,7 +15,8 @@ import pytest
 
 from flextensor.host_store import pack_layout
 from flextensor.layout import minimal_arena_bytes
-from flextensor.pipelines import components_of, default_unit_patterns
+from flextensor.pipeline_configs import default_unit_patterns
+from flextensor.pipelines import components_of
 from flextensor.selection import select
 
 pytest.importorskip("diffusers")

@@ -1,4 +1,5 @@
-"""A pipeline whose budget holds one component at a time: at each switch the component that ran gives its
+"""A pipeline whose budget holds one component at a time: at each switch, made where the finishing
+component's run ends (see [Note: the switch at a run's end] in pipelines.py), that component gives its
 memory back and the next one lays its plan out, ordered by streams, without waiting for the device (see
 [Note: a switch in stream order] in stream_switch.py). On CUDA the first component's forward is queued
 behind a sleep, so the next one takes memory whose last reads are still queued, and its own first kernels
@@ -9,13 +10,16 @@ variants run the same path in CI."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.device import DeviceRuntime
+from flextensor.device import DeviceRuntime, HostStream
 from flextensor.pipelines import pipeline_of
 from flextensor.slots import DeviceStore
 from test_gpu_pipeline import generation
@@ -61,6 +65,46 @@ def largest_peak(parts: dict[str, nn.Module], device: str, x: torch.Tensor) -> t
         return max(e.planned_peak_bytes() for e in engines), max(e.store.device_bytes_held() for e in engines)
     finally:
         flextensor.release(parts)
+
+
+def layouts_and_peaks(parts: dict[str, nn.Module]) -> tuple[list[int], list[int]]:
+    """Each component's layout (arena and resident units) and planned step peak, under the plan in force."""
+    engines = [engine_of(m) for m in parts.values()]
+    layouts = [
+        e.current.plan.arena_bytes + sum(e.units[n].nbytes for n in e.current.plan.resident) for e in engines
+    ]
+    return layouts, [e.planned_peak_bytes() for e in engines]
+
+
+@contextlib.contextmanager
+def steady_components(
+    budget: int, x: torch.Tensor, dim: int = 64, dtype: torch.dtype = torch.float32, repeats: int = 1
+) -> Iterator[tuple[dict[str, nn.Module], torch.Tensor]]:
+    """The components offloaded under ``budget`` on ``x``'s device and run to steady state, and the output
+    of a generation without offload; released at the end."""
+    parts = components(dim, dtype, x.device.type, repeats)
+    expected = generation(parts, x)
+    flextensor.offload(parts, flextensor.OffloadConfig(device=x.device.type, gpu_memory_budget=budget))
+    try:
+        run_until_steady(parts, x, expected)
+        yield parts, expected
+    finally:
+        flextensor.release(parts)
+
+
+def one_at_a_time_budget(dim: int, dtype: torch.dtype, device: str, repeats: int, x: torch.Tensor) -> int:
+    """A budget with room for one component's step and never for another's layout beside it. The plans
+    depend on the budget: without one a plan may keep blocks resident that a tighter one streams (then
+    the layouts shrink), so the budget is narrowed until the plans made under it leave no such room."""
+    peak, layout = largest_peak(components(dim, dtype, device, repeats), device, x)
+    budget = peak + layout // 2
+    for _ in range(3):
+        with steady_components(budget, x, dim, dtype, repeats) as (parts, _):
+            layouts, peaks = layouts_and_peaks(parts)
+        if min(layouts) + min(peaks) > budget:
+            return budget
+        budget = max(peaks) + min(layouts) // 2
+    raise AssertionError(f"no budget holds one component at a time: layouts {layouts}, peaks {peaks}")
 
 
 def watch_switches(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> dict[str, int]:
@@ -125,37 +169,26 @@ def test_components_switch_without_waiting_for_the_device(
     dim, tokens = ((4096, 4096) if repeats == 1 else (2048, 8192)) if cuda else (64, 4)
     dtype = torch.bfloat16 if cuda else torch.float32
     x = torch.randn(tokens, dim, dtype=dtype, device=device)
-    peak, layout = largest_peak(components(dim, dtype, device, repeats), device, x)
-    # Room for one component's step, never for another's layout beside it: every switch gives back and
-    # lays out at the step, none ahead.
-    budget = peak + layout // 2
-    parts = components(dim, dtype, device, repeats)
-    expected = generation(parts, x)
-    flextensor.offload(parts, flextensor.OffloadConfig(device=device, gpu_memory_budget=budget))
-    try:
-        run_until_steady(parts, x, expected)
-        engines = [engine_of(m) for m in parts.values()]
-        layouts = [
-            e.current.plan.arena_bytes + sum(e.units[n].nbytes for n in e.current.plan.resident)
-            for e in engines
-        ]
-        # The setup, not the switch: no component's step fits beside another's layout.
-        assert min(layouts) + min(e.planned_peak_bytes() for e in engines) > budget, (layouts, budget)
+    budget = one_at_a_time_budget(dim, dtype, device, repeats, x)
+    with steady_components(budget, x, dim, dtype, repeats) as (parts, expected):
+        layouts, peaks = layouts_and_peaks(parts)
+        # The setup, not the switch: no component's step fits beside another's layout (none is laid out
+        # ahead beside the finishing one).
+        assert min(layouts) + min(peaks) > budget, (layouts, peaks, budget)
         pipeline = pipeline_of(parts)
-        vacated, ahead = pipeline.vacated, pipeline.laid_out_ahead
+        vacated, ahead, at_run_end = pipeline.vacated, pipeline.laid_out_ahead, pipeline.switched_at_run_end
         seen = watch_switches(monkeypatch, cuda)
         on_copy_streams = watch_allocations(monkeypatch, parts) if cuda else []
         for _ in range(3):
             assert torch.equal(generation(parts, x), expected)
         assert not any(on_copy_streams)  # from the compute stream's pool, which the next one reuses
         assert pipeline.laid_out_ahead == ahead
+        assert pipeline.switched_at_run_end - at_run_end >= 6  # made where each run ends
         assert pipeline.vacated - vacated >= 6 and seen["vacate"] >= 6, seen
         assert seen["lay_out"] >= 6, seen
         assert seen["synchronize"] == 0, seen
         if cuda:
             assert seen["compute_queued"] >= 3, seen  # at least behind each generation's first sleep
-    finally:
-        flextensor.release(parts)
 
 
 @torch.no_grad()
@@ -176,6 +209,7 @@ def test_a_switch_synchronises_where_streams_cannot_order_it(monkeypatch: pytest
         run_until_steady(parts, x, expected)
         seen = watch_switches(monkeypatch, cuda=False)
         assert torch.equal(generation(parts, x), expected)
+        assert pipeline_of(parts).switched_at_run_end == 0  # left to the step, which synchronises
         assert any(flextensor.status(m).staging_bytes for m in parts.values())  # a ring: packs staged
         assert seen["vacate"] >= 2 and seen["synchronize"] >= seen["vacate"], seen
     finally:
@@ -218,3 +252,58 @@ def test_a_call_on_another_stream_makes_the_next_switch_synchronise(
         assert seen["synchronize"] == synchronized, seen  # laid out again on this stream: ordered
     finally:
         flextensor.release(parts)
+
+
+@torch.no_grad()
+def test_a_wrong_guess_at_a_runs_end_costs_a_layout_not_correctness() -> None:
+    """A run longer than the last one: the component that followed it last time was laid out at the
+    run's end, so the finishing one lays out again at its extra step, giving that one back; a shorter run
+    switches at the step. Both stay bitwise, and the next generation switches at its runs' ends again."""
+    x = torch.randn(4, 64)
+    plain = components(64, torch.float32, "cpu", repeats=1)
+    with steady_components(one_at_a_time_budget(64, torch.float32, "cpu", 1, x), x) as (parts, expected):
+        pipeline = pipeline_of(parts)
+        for runs in ((1, 4, 2), (1, 2, 1), (1, 3, 2)):
+            ours, reference = x, x
+            for name, count in zip(NAMES, runs, strict=True):
+                for _ in range(count):
+                    ours, reference = parts[name](ours), plain[name](reference)
+            assert torch.equal(ours, reference), runs
+        at_run_end = pipeline.switched_at_run_end
+        assert torch.equal(generation(parts, x), expected)
+        assert pipeline.switched_at_run_end - at_run_end == 3
+        held = [flextensor.status(m).device_bytes_held for m in parts.values()]
+        assert sum(held) == max(held)  # one component laid out at a time
+
+
+@torch.no_grad()
+def test_a_forward_on_another_stream_than_its_layout_at_a_runs_end_waits_for_the_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The switch at a run's end orders the next component's layout on the stream current then; when its
+    forward runs on another one, that stream waits for the copy stream first (its uploads and first
+    copies), and the component's next switch synchronises."""
+    x = torch.randn(4, 64)
+    with steady_components(one_at_a_time_budget(64, torch.float32, "cpu", 1, x), x) as (parts, expected):
+        second = engine_of(parts["second"])
+        out = parts["first"](x)
+        assert second.laid_out  # at the end of the first component's run
+        waited: list[object] = []
+
+        class Other(HostStream):  # a stream of its own (a CPU stand-in)
+            __slots__ = ()
+
+            def wait_stream(self, stream: object) -> None:
+                waited.append(stream)
+
+        other = Other()
+        with monkeypatch.context() as patched:
+            patched.setattr(second.runtime, "current_stream", lambda: other)
+            out = parts["second"](out)
+        assert second.runtime.copy_stream in waited
+        seen = watch_switches(monkeypatch, cuda=False)
+        for name, count in (("second", 2), ("third", 2)):
+            for _ in range(count):
+                out = parts[name](out)
+        assert torch.equal(out, expected)
+        assert seen["synchronize"] >= 1, seen  # "second" gave its memory back synchronising

@@ -42,7 +42,7 @@ from .steady import (
     RecordedStep,
     steady_step,
 )
-from .stream_switch import note_forward_stream
+from .stream_switch import in_stream_order, lays_out_in_stream_order, note_forward_stream
 from .timeline import StepRecorder
 from .units import Placement, Unit
 from .weight_access import StreamedWeights
@@ -89,6 +89,7 @@ class OffloadEngine(ForwardEnds):
         self.before_outside_layout: Callable[[OffloadEngine], None] | None = None  # a pipeline's
         self.held_beside: Callable[[], int] = lambda: 0  # a pipeline's: what its other components hold
         self._laid_out_ahead = False  # the layout was made by lay_out_ahead, not yet waited for
+        self._laid_out_on: object = None  # the stream lay_out_in_stream_order ordered the layout on
         self._ahead_failed = False  # a layout ahead failed once: not tried again
         self.hooks = ModelHooks(self)
         self.phase = Phase.DISCOVERY
@@ -169,9 +170,28 @@ class OffloadEngine(ForwardEnds):
         pipelines.py). Only from steady state with nothing laid out; True when it was laid out. A
         failure (out of memory) is logged and leaves the layout to the next forward."""
         entry = self.current
-        units = self.units
-        if (
-            entry is None
+        if not self._may_lay_out_early() or not self.runtime.fits_outside_cache(
+            entry.plan.arena_bytes + sum(self.units[n].nbytes for n in entry.plan.resident if n in self.units)
+        ):
+            return False
+        return self._lay_out_early(ahead=True)
+
+    def lay_out_in_stream_order(self) -> bool:
+        """Lay the plan in place out now, before this model's next forward, ordered on the current stream
+        after the work queued there (see [Note: a switch in stream order] in stream_switch.py): a
+        pipeline's next component, once the one whose run just ended gave its memory back. True when it
+        was laid out; False, with nothing done, where the layout would synchronise the device."""
+        if not self.lays_out_in_stream_order():
+            return False
+        return self._lay_out_early(ahead=False)
+
+    def lays_out_in_stream_order(self) -> bool:
+        """Whether :meth:`lay_out_in_stream_order` would lay the plan out now."""
+        return self._may_lay_out_early() and lays_out_in_stream_order(self.store)
+
+    def _may_lay_out_early(self) -> bool:
+        return not (
+            self.current is None
             or self.laid_out
             or self._ahead_failed
             or self.phase is not Phase.INFERENCE
@@ -179,13 +199,13 @@ class OffloadEngine(ForwardEnds):
             or self.bracket.running
             or self.editing is not None
             or self.graphs.capturing()
-            or not self.runtime.fits_outside_cache(
-                entry.plan.arena_bytes + sum(units[n].nbytes for n in entry.plan.resident if n in units)
-            )
-        ):
-            return False
+        )
+
+    def _lay_out_early(self, ahead: bool) -> bool:
+        entry = self.current
+        assert entry is not None
         try:
-            self._apply(entry, ahead=True)
+            self._apply(entry, ahead=ahead)
         except Exception as exc:  # an optimisation: the forward lays out as usual
             logger.warning(
                 "laying the plan out ahead of the next forward failed (%s): it lays out at each forward "
@@ -196,7 +216,14 @@ class OffloadEngine(ForwardEnds):
             self.store.vacate()
             self.current, self.laid_out, self._laid_out_ahead = entry, False, False
             return False
+        if not ahead:  # ordered on this stream; a forward on another one waits for the copies
+            self._laid_out_on = self.runtime.current_stream()
         return True
+
+    def vacates_in_stream_order(self) -> bool:
+        """Whether :meth:`vacate` would give every device byte back now without synchronising the
+        device (see [Note: a switch in stream order])."""
+        return self.laid_out and self.can_vacate() and in_stream_order(self.store, True)
 
     def can_vacate(self) -> bool:
         """Whether :meth:`vacate` would give device memory back now."""
@@ -218,8 +245,10 @@ class OffloadEngine(ForwardEnds):
         if self.before_step is not None:
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
             self.plan_again_if_crowded(signature, self.held_beside())  # its caller may hold more now
-        if self._laid_out_ahead:
-            # Resident units were uploaded on the copy stream (lay_out_ahead): read them after it. (A
+        early, self._laid_out_on = self._laid_out_on, None
+        if self._laid_out_ahead or (early is not None and early != self.runtime.current_stream()):
+            # Resident units were uploaded on the copy stream before this forward, unordered with this
+            # stream (lay_out_ahead, or lay_out_in_stream_order on another one): read them after it. (A
             # capture may not wait on work outside it; the uploads are complete by then anyway.)
             self._laid_out_ahead = False
             if not self.graphs.capturing():
@@ -390,6 +419,7 @@ class OffloadEngine(ForwardEnds):
         held = self.store.device_bytes_held()
         self.store.vacate(keep_resident)
         self.laid_out = self._laid_out_ahead = False
+        self._laid_out_on = None
         self.watch.arm(self.units.values())
         if not keep_resident and self.phase is Phase.INFERENCE:
             # Resident units lost their storage and carry no hooks in steady state: hooked until the

@@ -16,7 +16,8 @@ out as long as both fit.
 
 Patterns name the component first (``transformer.blocks.*``, ``vae.decoder.up_blocks.*``); ``class:``
 patterns apply to every component that has such a module. A component no include pattern names gets
-its repeated blocks, and the large modules among the rest, as units (:func:`default_unit_patterns`).
+its repeated blocks, and the large modules among the rest, as units (``default_unit_patterns`` in
+pipeline_configs.py).
 
 ``save_profile(pipe, path)`` writes one file with every component's profile (see pipeline_profile.py);
 ``OffloadConfig(profile=path)`` given to the pipeline's offload starts every component in steady state.
@@ -31,9 +32,24 @@ its resident units upload and its first streamed units copy on its copy stream, 
 starts with them in place (``transformer_2`` ready when the switch comes). Only when its planned peak
 fits the budget beside what the finishing component holds (after the others gave memory back as at a
 step, which waits for the device as it would then): a layout ahead never makes the finishing component
-give its memory back. Under a budget that holds one component at a time it lays out at its step, as
-before. A wrong guess (a generation with more steps) costs memory the next step may take back, not
-correctness.
+give its memory back. A wrong guess (a generation with more steps) costs memory the next step may take
+back, not correctness.
+
+[Note: the switch at a run's end]
+Under a budget that holds one component at a time (Wan2.2 under 8 GiB: the text encoder holds 7 GB, each
+expert's step peaks at 6.4 GB) the next component cannot be laid out beside the finishing one. Its step
+would then make the finishing one give its memory back and lay itself out, but by then the pipeline has
+often waited for the device (Wan2.2 reads the timestep on the host at each step, and the prompt's
+length after encoding), so the host's part of the switch, some 30 ms for a 40-block transformer, and
+the resident units' uploads ran on an idle GPU: about 50 ms at each expert switch (H100, 2026-12-06).
+Instead, at the end of a run as long as its last, the switch is made at once when every give-back and
+the layout can be ordered by streams (see [Note: a switch in stream order] in stream_switch.py): the
+others give back what the next step's make-room would take, least recently run first (the finishing
+one among them), and the next component lays out on the compute stream, behind the finishing one's
+queued kernels. The host's work then hides under the kernels still queued, and the uploads start as soon
+as they end. A component that would synchronise to give back (a host budget's ring, compressed packs)
+leaves the switch to the step, as before. A wrong guess costs the finishing component a layout again at
+its next step, not correctness.
 
 Never across the end of a call of the pipeline (diffusers pipelines end ``__call__`` with
 ``maybe_free_model_hooks()``, which flextensor watches): after the VAE the pipeline still post-processes
@@ -65,7 +81,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .errors import ConfigError, NotOffloadedError
-from .patterns import is_class_pattern
+from .pipeline_configs import component_configs, split_host_budget
 from .pipeline_methods import replace_methods, restore_methods
 
 logger = logging.getLogger("flextensor")
@@ -73,7 +89,6 @@ logger = logging.getLogger("flextensor")
 __all__ = [
     "PipelineOffload",
     "components_of",
-    "default_unit_patterns",
     "offload_pipeline",
     "pipeline_of",
 ]
@@ -92,142 +107,6 @@ def components_of(pipe: object) -> dict[str, nn.Module] | None:
     return {name: m for name, m in components.items() if isinstance(m, nn.Module)}
 
 
-REST_UNIT_FRACTION = 8
-"""A module outside a component's blocks is a unit when it holds at least 1/8 of the largest block's
-weights: those are what a phase's budget misses (a Wan2.2 expert's ``condition_embedder``, 0.45 GB beside
-0.68 GB blocks; a text encoder's token embedding). The smaller ones (Wan's ``patch_embedding`` and
-``proj_out``, 0.6 MB each; norms, scale tables, a VAE's convolutions) hold too little to matter together,
-cost a hook call per forward each, and are the modules most often read directly rather than called, which
-a unit first read that way on a later code path would answer with another unit's bytes."""
-
-
-def default_unit_patterns(module: nn.Module) -> tuple[str, ...]:
-    """The repeated blocks of ``module``, the children of each outermost ``nn.ModuleList`` whose children
-    hold parameters (a transformer's blocks, a text encoder's layers, a VAE's down and up blocks, the one
-    block of LTX-2's connectors), and the large modules among the rest: those that hold no block and at
-    least :data:`REST_UNIT_FRACTION` of the largest block's weights (a transformer's embedders, a text
-    encoder's token embedding); ``("*",)`` when it has no blocks (see docs/patterns.md for what ``*``
-    selects).
-
-    The large ones are units so that a pipeline's component gives them back between its phases: Wan2.2's
-    condition embedders are 0.45 GB an expert, and a text encoder's token embedding can outweigh its
-    layers (UMT5-XXL's is 2.1 GB, a layer 0.39 GB)."""
-    found: list[str] = []
-    largest_block = 0
-    for path, child in module.named_modules():
-        if not path or not isinstance(child, nn.ModuleList):
-            continue
-        if any(path.startswith(outer + ".") for outer in found):
-            continue  # inside a block already found
-        blocks = [c for c in child.children() if next(c.parameters(), None) is not None]
-        if blocks:  # one block is a unit too: descending into it would cut it into its layers
-            found.append(path)
-            largest_block = max(largest_block, *(_nbytes(b.parameters()) for b in blocks))
-    if not found:
-        return ("*",)
-    rest: list[str] = []
-
-    def collect(prefix: str, parent: nn.Module) -> None:
-        for name, child in parent.named_children():
-            path = f"{prefix}{name}"
-            if path in found:
-                continue
-            if any(outer.startswith(path + ".") for outer in found):
-                collect(path + ".", child)  # holds blocks: its other children are the rest
-            elif REST_UNIT_FRACTION * _nbytes(child.parameters()) >= largest_block:
-                rest.append(path)
-
-    collect("", module)
-    return (*(f"{path}.*" for path in found), *_deepest_holders(module, rest))
-
-
-def _deepest_holders(module: nn.Module, paths: list[str]) -> list[str]:
-    """``paths`` less those whose every weight another of them holds deeper: weights tied between modules
-    (UMT5's ``shared`` and ``encoder.embed_tokens``) stream with the nested module, which is the one that
-    runs, and the holder on top becomes its alias (see [Note: tied aliases] in discovery.py); two units
-    holding one weight would keep it on the device."""
-    holder: dict[int, str] = {}
-    for path in paths:
-        for param in module.get_submodule(path).parameters():
-            known = holder.get(id(param))
-            if known is None or path.count(".") > known.count("."):
-                holder[id(param)] = path
-    return [path for path in paths if path in holder.values()]
-
-
-def _nbytes(params: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def _split_patterns(patterns: tuple[str, ...], names: set[str], field: str) -> dict[str, list[str]]:
-    """Patterns by the component they name (``transformer.blocks.*`` -> transformer: ``blocks.*``);
-    class patterns under every component."""
-    by_component: dict[str, list[str]] = {name: [] for name in names}
-    for pattern in patterns:
-        if is_class_pattern(pattern):
-            for found in by_component.values():
-                found.append(pattern)
-            continue
-        head, _, rest = pattern.partition(".")
-        if head not in names or not rest:
-            raise ConfigError(
-                f"{field}: {pattern!r} names no component of the pipeline; start each pattern with a "
-                f"component's name ({', '.join(sorted(names))}), e.g. '{sorted(names)[0]}.blocks.*', "
-                "or use a class: pattern"
-            )
-        by_component[head].append(rest)
-    return by_component
-
-
-def _has_class(module: nn.Module, pattern: str) -> bool:
-    from .patterns import class_names
-
-    wanted = set(class_names(pattern))
-    return any(type(m).__name__ in wanted for m in module.modules())
-
-
-def component_configs(config: OffloadConfig, components: dict[str, nn.Module]) -> dict[str, OffloadConfig]:
-    """Each component's config: the pipeline's, with that component's patterns and entry methods."""
-    names = set(components)
-    default_include = "include_patterns" not in config.model_fields_set
-    include = (
-        {n: [] for n in names}
-        if default_include
-        else _split_patterns(config.include_patterns, names, "include_patterns")
-    )
-    exclude = _split_patterns(config.exclude_patterns, names, "exclude_patterns")
-    explicit_entries = "entry_methods" in config.model_fields_set
-    for method in config.entry_methods if explicit_entries else ():
-        if not any(callable(getattr(type(m), method, None)) for m in components.values()):
-            raise ConfigError(f"entry_methods names {method!r}, a method no component of the pipeline has")
-    configs = {}
-    for name, module in components.items():
-        own = [p for p in include[name] if not is_class_pattern(p) or _has_class(module, p)]
-        entries = tuple(m for m in config.entry_methods if callable(getattr(type(module), m, None)))
-        configs[name] = config.model_copy(
-            update={
-                "include_patterns": tuple(own) or default_unit_patterns(module),
-                "exclude_patterns": tuple(exclude[name]),
-                "entry_methods": entries,
-                "profile": None,  # the pipeline's file holds every component's: see offload_pipeline
-            }
-        )
-    return configs
-
-
-def _split_host_budget(
-    configs: dict[str, OffloadConfig], components: dict[str, nn.Module], host_budget: int
-) -> dict[str, OffloadConfig]:
-    """Share the host budget between the components by their weights' bytes: every component's packs are
-    held at once (unlike their device bytes, which they hold in turn)."""
-    sizes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in components.items()}
-    total = sum(sizes.values()) or 1
-    return {
-        n: c.model_copy(update={"host_memory_budget": max(1, host_budget * sizes[n] // total)})
-        for n, c in configs.items()
-    }
-
-
 class PipelineOffload:
     """The offloaded components of one pipeline and the budget they share (see the note above)."""
 
@@ -242,6 +121,7 @@ class PipelineOffload:
         self._runs: dict[str, tuple[int, str, bool]] = {}
         self._call_ended = False  # the pipeline's __call__ ended since the last step (pipeline_methods.py)
         self.laid_out_ahead = 0  # times a component was laid out before its step (see the note)
+        self.switched_at_run_end = 0  # times it was, the finished one giving back (see the note)
         self.replaced: dict[str, Any] = {}  # what the instance held under the names replaced (release)
 
     def engine(self, name: str) -> Any:
@@ -295,9 +175,13 @@ class PipelineOffload:
         if engine.laid_out or engine.planned_peak_bytes() is None:
             return  # in place already, or still learning (its layout is the forward's to make)
         try:
-            if self._make_room(following, keep=name) and engine.lay_out_ahead():
-                self.laid_out_ahead += 1
-                logger.debug("pipeline: %s laid out ahead, at the end of %s's run", following, name)
+            if self._make_room(following, keep=name):
+                if engine.lay_out_ahead():
+                    self.laid_out_ahead += 1
+                    logger.debug("pipeline: %s laid out ahead, at the end of %s's run", following, name)
+            elif self._switch_in_stream_order(following):
+                self.switched_at_run_end += 1
+                logger.debug("pipeline: switched from %s to %s at the end of its run", name, following)
         except Exception as exc:  # an optimisation: the step that succeeded must not fail for it
             logger.warning(
                 "pipeline: laying %s out ahead failed (%s); it lays out at its step", following, exc
@@ -341,6 +225,35 @@ class PipelineOffload:
                 logger.info("pipeline: %s gave back %d bytes for %s", other_name, freed, name)
         return held + need <= limit
 
+    def _switch_in_stream_order(self, name: str) -> bool:
+        """Make room for ``name``'s step now, as its step would, and lay it out, when every give-back and
+        the layout are ordered by streams (see [Note: the switch at a run's end]); else nothing, and
+        whether it was done."""
+        starting = self.engine(name)
+        need = starting.planned_peak_bytes()
+        limit = self.budget_bytes if self.budget_bytes is not None else starting.policy.memory_limit()
+        if need is None or limit is None or not starting.lays_out_in_stream_order():
+            return False
+        never_ran = [n for n in self.components if n not in self._last_run and n != name]
+        others = [(n, self.engine(n)) for n in (*never_ran, *self._last_run) if n != name]
+        held = sum(e.store.device_bytes_held() for _, e in others)
+        giving_back = []
+        for other_name, other in others:
+            if held + need <= limit:
+                break
+            if other.store.device_bytes_held():
+                if not other.vacates_in_stream_order():
+                    return False  # it would wait for the device: the switch stays the step's
+                giving_back.append((other_name, other))
+                held -= other.store.device_bytes_held()
+        if held + need > limit:
+            return False
+        for other_name, other in giving_back:
+            if other.vacate():
+                self.vacated += 1
+                logger.info("pipeline: %s gave back its memory for %s at a run's end", other_name, name)
+        return starting.lay_out_in_stream_order()
+
     def phase(self) -> str:
         """The least advanced phase of the components: ``inference`` once every one is steady."""
         order = ("discovery", "profiling", "inference")
@@ -382,7 +295,7 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
     target = resolve_target(config)
     budget = target.budget_bytes
     if target.host_budget_bytes is not None:
-        configs = _split_host_budget(configs, components, target.host_budget_bytes)
+        configs = split_host_budget(configs, components, target.host_budget_bytes)
     profiles = None
     if config.profile is not None:  # read and matched to the components before anything changes
         from .pipeline_profile import load_pipeline_profile

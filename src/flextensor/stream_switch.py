@@ -24,7 +24,9 @@ two steps are ordered on the device instead:
   stream without blocking the host; the compute stream waits for those uploads before the forward.
 
 The GPU then runs the previous component's last kernels, the uploads and the next component's first
-kernels back to back while the host is already queuing further ahead.
+kernels back to back while the host is already queuing further ahead. A pipeline makes the switch where
+the finishing component's run ends when it can be ordered so (see [Note: the switch at a run's end] in
+pipelines.py), before the pipeline's own code waits for the device.
 
 Only where nothing else needs the device idle: packs kept (a pipeline component's), all pinned or
 pageable in full (no host budget, no staging ring, no checkpoint reads, no compressed packs), resident
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "copy_after_compute",
     "in_stream_order",
+    "lays_out_in_stream_order",
     "let_go_in_stream_order",
     "note_forward_stream",
     "wait_for_uploads",
@@ -55,10 +58,21 @@ __all__ = [
 def in_stream_order(store: DeviceStore, giving_back_residents: bool) -> bool:
     """Whether ``store`` may give back or lay out without synchronising the device (see the note).
     ``giving_back_residents``: a vacate that frees resident storage too, whose packs must be current."""
-    if not store.keep_packs or store.coded_loads is not None or store.host.capacity is not None:
-        return False
     if store.compute_stream is None or store.runtime.current_stream() != store.compute_stream:
         return False  # forwards on another stream: ordering on this one would not cover their reads
+    return _packs_in_stream_order(store, giving_back_residents)
+
+
+def lays_out_in_stream_order(store: DeviceStore) -> bool:
+    """Whether a layout of ``store`` made now, on the current stream, would be ordered by streams rather
+    than synchronise: it holds no device bytes, and its packs allow it (the layout makes the current
+    stream its compute stream)."""
+    return not store.device_bytes_held() and _packs_in_stream_order(store, False)
+
+
+def _packs_in_stream_order(store: DeviceStore, giving_back_residents: bool) -> bool:
+    if not store.keep_packs or store.coded_loads is not None or store.host.capacity is not None:
+        return False
     if store.runtime.is_cuda and torch.cuda.is_current_stream_capturing():
         return False  # a capture would only record the copies: synchronising refuses it, as before
     for unit in store.units:
