@@ -233,7 +233,7 @@ def test_a_call_on_another_stream_makes_the_next_switch_synchronise(
         run_until_steady(parts, x, expected)
         seen = watch_switches(monkeypatch, cuda=False)
         runtime = engine_of(parts["second"]).runtime
-        out = parts["second"](parts["first"](x))  # "second" laid out at its step, on this stream
+        out = parts["second"](parts["first"](x))  # "second" laid out at "first"'s run end, on this stream
         with monkeypatch.context() as patched:  # a stream of its own (a CPU stand-in)
             other = type(runtime.current_stream())()
             patched.setattr(runtime, "current_stream", lambda: other)
@@ -241,8 +241,12 @@ def test_a_call_on_another_stream_makes_the_next_switch_synchronise(
                 parts["second"].blocks[0](out)  # between its steps
             else:
                 out = parts["second"](out)
+        pipeline = pipeline_of(parts)
         for _ in range(1 if not by_hand else 2):
+            at_run_end, synchronized = pipeline.switched_at_run_end, seen["synchronize"]
             out = parts["second"](out)
+        # Its run's end: no switch there (giving "second" back would synchronise), so no synchronise yet.
+        assert (pipeline.switched_at_run_end, seen["synchronize"]) == (at_run_end, synchronized), seen
         for _ in range(2):
             out = parts["third"](out)
         assert torch.equal(out, expected)
@@ -307,3 +311,36 @@ def test_a_forward_on_another_stream_than_its_layout_at_a_runs_end_waits_for_the
                 out = parts[name](out)
         assert torch.equal(out, expected)
         assert seen["synchronize"] >= 1, seen  # "second" gave its memory back synchronising
+
+
+@torch.no_grad()
+def test_no_switch_at_a_runs_end_lays_out_more_than_it_gives_back() -> None:
+    """Until the next component's step the caller may allocate what no plan counts, so a switch at a run's
+    end never leaves less room than the step would: a smaller first component hands over to a larger
+    second one at the second one's step; the equal ones switch at the run's end."""
+    x = torch.randn(4, 64)
+    budget = one_at_a_time_budget(64, torch.float32, "cpu", 1, x)
+
+    def uneven() -> dict[str, nn.Module]:
+        torch.manual_seed(0)
+        return {name: Blocks(64, 2 if name == "first" else 6, 1, sleeps=False) for name in NAMES}
+
+    parts, plain = uneven(), uneven()
+    expected = generation(plain, x)
+    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", gpu_memory_budget=budget))
+    try:
+        run_until_steady(parts, x, expected)
+        first, second = engine_of(parts["first"]), engine_of(parts["second"])
+        assert first.layout_bytes() < second.layout_bytes()
+        assert first.layout_bytes() + second.planned_peak_bytes() > budget  # not laid out ahead either
+        pipeline = pipeline_of(parts)
+        at_run_end = pipeline.switched_at_run_end
+        out = parts["first"](x)
+        assert not second.laid_out and first.laid_out
+        for name, count in (("second", 3), ("third", 2)):
+            for _ in range(count):
+                out = parts[name](out)
+        assert torch.equal(out, expected)
+        assert pipeline.switched_at_run_end - at_run_end == 2  # "second" to "third", "third" to "first"
+    finally:
+        flextensor.release(parts)

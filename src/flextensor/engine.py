@@ -90,7 +90,7 @@ class OffloadEngine(ForwardEnds):
         self.held_beside: Callable[[], int] = lambda: 0  # a pipeline's: what its other components hold
         self._laid_out_ahead = False  # the layout was made by lay_out_ahead, not yet waited for
         self._laid_out_on: object = None  # the stream lay_out_in_stream_order ordered the layout on
-        self._ahead_failed = False  # a layout ahead failed once: not tried again
+        self._early_failed: set[bool] = set()  # a layout ahead (True) or at a run's end (False) failed
         self.hooks = ModelHooks(self)
         self.phase = Phase.DISCOVERY
         self.order: list[Unit] = []  # execution order, once discovered
@@ -169,12 +169,16 @@ class OffloadEngine(ForwardEnds):
         run other work: a pipeline's next component (see [Note: the next component ahead] in
         pipelines.py). Only from steady state with nothing laid out; True when it was laid out. A
         failure (out of memory) is logged and leaves the layout to the next forward."""
-        entry = self.current
-        if not self._may_lay_out_early() or not self.runtime.fits_outside_cache(
-            entry.plan.arena_bytes + sum(self.units[n].nbytes for n in entry.plan.resident if n in self.units)
-        ):
+        if not self._may_lay_out_early(ahead=True):
+            return False
+        if not self.runtime.fits_outside_cache(self.layout_bytes()):
             return False
         return self._lay_out_early(ahead=True)
+
+    def layout_bytes(self) -> int:
+        """The device bytes the plan in force holds once laid out: its arena and resident units."""
+        plan = self.current.plan  # type: ignore[union-attr]
+        return plan.arena_bytes + sum(self.units[n].nbytes for n in plan.resident if n in self.units)
 
     def lay_out_in_stream_order(self) -> bool:
         """Lay the plan in place out now, before this model's next forward, ordered on the current stream
@@ -187,13 +191,13 @@ class OffloadEngine(ForwardEnds):
 
     def lays_out_in_stream_order(self) -> bool:
         """Whether :meth:`lay_out_in_stream_order` would lay the plan out now."""
-        return self._may_lay_out_early() and lays_out_in_stream_order(self.store)
+        return self._may_lay_out_early(ahead=False) and lays_out_in_stream_order(self.store)
 
-    def _may_lay_out_early(self) -> bool:
+    def _may_lay_out_early(self, ahead: bool) -> bool:
         return not (
             self.current is None
             or self.laid_out
-            or self._ahead_failed
+            or ahead in self._early_failed
             or self.phase is not Phase.INFERENCE
             or self._check_next
             or self.bracket.running
@@ -208,11 +212,11 @@ class OffloadEngine(ForwardEnds):
             self._apply(entry, ahead=ahead)
         except Exception as exc:  # an optimisation: the forward lays out as usual
             logger.warning(
-                "laying the plan out ahead of the next forward failed (%s): it lays out at each forward "
-                "from now on",
+                "laying the plan out %s failed (%s): it lays out at each forward from now on",
+                "ahead of the next forward" if ahead else "at the end of the previous component's run",
                 exc,
             )
-            self._ahead_failed = True
+            self._early_failed.add(ahead)
             self.store.vacate()
             self.current, self.laid_out, self._laid_out_ahead = entry, False, False
             return False

@@ -48,8 +48,12 @@ others give back what the next step's make-room would take, least recently run f
 one among them), and the next component lays out on the compute stream, behind the finishing one's
 queued kernels. The host's work then hides under the kernels still queued, and the uploads start as soon
 as they end. A component that would synchronise to give back (a host budget's ring, compressed packs)
-leaves the switch to the step, as before. A wrong guess costs the finishing component a layout again at
-its next step, not correctness.
+leaves the switch to the step, as before. So does a next component whose layout would hold more than
+what is given back for it: until its step, the caller may allocate what no plan counts (a generation's
+post-processing, when a mapping's last component hands over to its first, or a diffusers call with
+``output_type="latent"`` ending where the VAE came next before), and the switch must not leave less room
+for that than the step would. A wrong guess costs the finishing component a layout again at its next
+step, not correctness.
 
 Never across the end of a call of the pipeline (diffusers pipelines end ``__call__`` with
 ``maybe_free_model_hooks()``, which flextensor watches): after the VAE the pipeline still post-processes
@@ -227,8 +231,9 @@ class PipelineOffload:
 
     def _switch_in_stream_order(self, name: str) -> bool:
         """Make room for ``name``'s step now, as its step would, and lay it out, when every give-back and
-        the layout are ordered by streams (see [Note: the switch at a run's end]); else nothing, and
-        whether it was done."""
+        the layout are ordered by streams, the layout holds no more than what is given back for it, and
+        its plan still fits beside what the caller holds (see [Note: the switch at a run's end]); else
+        nothing, and whether it was done."""
         starting = self.engine(name)
         need = starting.planned_peak_bytes()
         limit = self.budget_bytes if self.budget_bytes is not None else starting.policy.memory_limit()
@@ -237,7 +242,7 @@ class PipelineOffload:
         never_ran = [n for n in self.components if n not in self._last_run and n != name]
         others = [(n, self.engine(n)) for n in (*never_ran, *self._last_run) if n != name]
         held = sum(e.store.device_bytes_held() for _, e in others)
-        giving_back = []
+        giving_back, given = [], 0
         for other_name, other in others:
             if held + need <= limit:
                 break
@@ -245,8 +250,14 @@ class PipelineOffload:
                 if not other.vacates_in_stream_order():
                     return False  # it would wait for the device: the switch stays the step's
                 giving_back.append((other_name, other))
+                given += other.store.device_bytes_held()
                 held -= other.store.device_bytes_held()
-        if held + need > limit:
+        # Never more held until the step than before: what the caller allocates meanwhile (the video's
+        # post-processing after the last component) is in no plan. And a plan the step would remake for
+        # what the caller holds now is not worth laying out.
+        if not giving_back or starting.layout_bytes() > given:
+            return False
+        if held + need + max(0, starting.grown_outside(starting.current, held)) > limit:
             return False
         for other_name, other in giving_back:
             if other.vacate():
