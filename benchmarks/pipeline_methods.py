@@ -95,7 +95,11 @@ def _prepare_ours(ms: MethodSpec, model: Any, device: str, nbytes: dict[str, int
 
     def details() -> dict[str, Any]:
         try:
-            return dict(ft.report(pipe).to_dict())
+            from flextensor.pipelines import pipeline_of
+
+            switches = pipeline_of(pipe)  # how the components switched: at steps, ahead, at a run's end
+            counters = {k: getattr(switches, k) for k in ("vacated", "laid_out_ahead", "switched_at_run_end")}
+            return {**ft.report(pipe).to_dict(), "pipeline_switches": counters}
         except Exception as exc:  # extra information only: never lose the run over it
             return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 

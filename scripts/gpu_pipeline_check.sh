@@ -40,6 +40,9 @@ for r in json.load(open(path))["runs"]:
     peaks = {k: round(v / 1e9, 2) for k, v in last.get("phase_peak_allocated_bytes", {}).items()}
     print(r["method_spec"], r["status"], r.get("step_s"), "phases s:", last.get("phase_s"), "peaks GB:", peaks,
           "rss GB:", round((r.get("host_rss_peak_bytes") or 0) / 1e9, 1), (r.get("reason") or "")[:300])
+    switches = (r.get("method_details") or {}).get("pipeline_switches")
+    if switches:
+        print("  switches:", switches)
     if r.get("profile"):
         print("  flextensor ranges:", r["profile"]["ranges"])
 PY

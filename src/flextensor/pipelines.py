@@ -257,7 +257,9 @@ class PipelineOffload:
         # what the caller holds now is not worth laying out.
         if not giving_back or starting.layout_bytes() > given:
             return False
-        if held + need + max(0, starting.grown_outside(starting.current, held)) > limit:
+        # The bytes given back are still allocated until the vacates below: outside, they are not growth
+        # (counted so on the H100, the check refused every switch there; a CPU counts no memory).
+        if held + need + max(0, starting.grown_outside(starting.current, held + given)) > limit:
             return False
         for other_name, other in giving_back:
             if other.vacate():
