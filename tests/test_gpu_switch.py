@@ -356,3 +356,45 @@ def test_no_switch_at_a_runs_end_lays_out_more_than_it_gives_back() -> None:
         assert pipeline.switched_at_run_end - at_run_end == 2  # "second" to "third", "third" to "first"
     finally:
         flextensor.release(parts)
+
+
+@torch.no_grad()
+def test_a_resident_unit_called_by_hand_after_a_layout_ahead_reads_its_upload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layout ahead uploads the next component's resident units on its copy stream while the finishing
+    one's compute may still be queued. Resident units carry no hooks, so one called directly before that
+    component's forward is ordered after its upload only by the stream the layout was made on having
+    waited for the copy stream then."""
+    from flextensor import api
+    from flextensor.measurements import LinkModel
+
+    real_probe = api.probe_links  # a slow link (10 kB/s): plans keep every block resident where it fits
+    monkeypatch.setattr(
+        api, "probe_links", lambda store, arena: (LinkModel.constant(1e4), real_probe(store, arena)[1])
+    )
+    x = torch.randn(4, 64)
+    peak, layout = largest_peak(components(64, torch.float32, "cpu", repeats=1), "cpu", x)
+    with steady_components(peak + layout, x) as (parts, expected):  # room for one layout beside a step
+        pipeline, second = pipeline_of(parts), engine_of(parts["second"])
+        assert torch.equal(generation(parts, x), expected)
+        second.vacate()
+        waits: list[object] = []
+        real_wait = HostStream.wait_stream
+
+        def wait_stream(stream: HostStream, other: object) -> None:
+            waits.append(other)
+            real_wait(stream, other)
+
+        monkeypatch.setattr(HostStream, "wait_stream", wait_stream)
+        ahead = pipeline.laid_out_ahead
+        out = parts["first"](x)
+        assert pipeline.laid_out_ahead == ahead + 1 and second.laid_out
+        assert any(s is second.runtime.copy_stream for s in waits), waits  # before any call of "second"
+        block = parts["second"].blocks[0]
+        assert not block._forward_pre_hooks  # resident: nothing would wait at its call
+        assert torch.equal(block(out), components(64, torch.float32, "cpu", 1)["second"].blocks[0](out))
+        for name, count in (("second", 3), ("third", 2)):  # the rest of the generation
+            for _ in range(count):
+                out = parts[name](out)
+        assert torch.equal(out, expected)

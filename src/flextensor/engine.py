@@ -88,8 +88,7 @@ class OffloadEngine(ForwardEnds):
         self.after_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's, on success
         self.before_outside_layout: Callable[[OffloadEngine], None] | None = None  # a pipeline's
         self.held_beside: Callable[[], int] = lambda: 0  # a pipeline's: what its other components hold
-        self._laid_out_ahead = False  # the layout was made by lay_out_ahead, not yet waited for
-        self._laid_out_on: object = None  # the stream lay_out_in_stream_order ordered the layout on
+        self._laid_out_on: object = None  # the stream a layout made before the forward was ordered on
         self._early_failed: set[bool] = set()  # a layout ahead (True) or at a run's end (False) failed
         self.hooks = ModelHooks(self)
         self.phase = Phase.DISCOVERY
@@ -161,7 +160,6 @@ class OffloadEngine(ForwardEnds):
         self.laid_out = False
         self.store.lay_out(streamed, resident, arena_bytes, staged, ahead)
         self.laid_out = True
-        self._laid_out_ahead = ahead
         self.watch.arm(self.units.values())
 
     def lay_out_ahead(self) -> bool:
@@ -218,10 +216,11 @@ class OffloadEngine(ForwardEnds):
             )
             self._early_failed.add(ahead)
             self.store.vacate()
-            self.current, self.laid_out, self._laid_out_ahead = entry, False, False
+            self.current, self.laid_out = entry, False
             return False
-        if not ahead:  # ordered on this stream; a forward on another one waits for the copies
-            self._laid_out_on = self.runtime.current_stream()
+        # The uploads are ordered on this stream (see DeviceStore.lay_out); a forward on another one
+        # waits for the copy stream.
+        self._laid_out_on = self.runtime.current_stream()
         return True
 
     def vacates_in_stream_order(self) -> bool:
@@ -250,13 +249,11 @@ class OffloadEngine(ForwardEnds):
             self.before_step(self)  # the other components of a pipeline make room (pipelines.py)
             self.plan_again_if_crowded(signature, self.held_beside())  # its caller may hold more now
         early, self._laid_out_on = self._laid_out_on, None
-        if self._laid_out_ahead or (early is not None and early != self.runtime.current_stream()):
-            # Resident units were uploaded on the copy stream before this forward, unordered with this
-            # stream (lay_out_ahead, or lay_out_in_stream_order on another one): read them after it. (A
-            # capture may not wait on work outside it; the uploads are complete by then anyway.)
-            self._laid_out_ahead = False
-            if not self.graphs.capturing():
-                self.runtime.current_stream().wait_stream(self.runtime.copy_stream)
+        # Resident units uploaded on the copy stream before this forward, ordered on another stream than
+        # this one, are read after their uploads. (A capture may not wait on work outside it; the uploads
+        # are complete by then anyway.)
+        if early is not None and early != self.runtime.current_stream() and not self.graphs.capturing():
+            self.runtime.current_stream().wait_stream(self.runtime.copy_stream)
         if self.phase is Phase.PROFILING and self.learning.has_samples() and signature != self.signature:
             # Profiling the previous inputs was cut short by other ones (generate(): a prefill, then
             # decode steps) before it had all its forwards: plan those inputs from what was profiled,
@@ -422,7 +419,7 @@ class OffloadEngine(ForwardEnds):
             return 0
         held = self.store.device_bytes_held()
         self.store.vacate(keep_resident)
-        self.laid_out = self._laid_out_ahead = False
+        self.laid_out = False
         self._laid_out_on = None
         self.watch.arm(self.units.values())
         if not keep_resident and self.phase is Phase.INFERENCE:

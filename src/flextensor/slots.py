@@ -141,7 +141,8 @@ class DeviceStore:
         ``ahead``: from a store holding no device bytes, while other work may still run (see [Note: the
         next component ahead] in pipelines.py): no synchronise; memory taken and residents uploaded with
         the copy stream current, so nothing waits for, or reuses memory of, compute queued before. The
-        next forward's compute must wait for the copy stream.
+        current stream then waits for the copy stream, so that what it runs next reads the uploads after
+        them; a forward on another stream must wait for the copy stream itself.
         """
         assert not (ahead and self.device_bytes_held()), "a layout ahead starts from a vacated store"
         # Device buffers are normal tensors even when a forward under inference_mode lays them out:
@@ -158,6 +159,10 @@ class DeviceStore:
                 self._lay_out(streamed, resident, arena_bytes, staged, synchronize=False)
             finally:
                 self.runtime.set_stream(previous)
+            # Behind the compute queued so far, which never reads this layout: the component's forward,
+            # or one of its resident units called directly before it (they carry no hooks), reads the
+            # uploads after them.
+            wait_for_uploads(self)
 
     def _lay_out(
         self,
