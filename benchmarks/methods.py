@@ -38,7 +38,8 @@ on its own with ``module.compile()``, as diffusers' ``compile_repeated_blocks``;
 (``torch.compile(model, mode="reduce-overhead")``: CUDA graphs). ``native/compile=regional`` is the
 native compiled reference for ``ours/compile=regional``. ``cap=24GiB`` runs that method under a GPU
 memory cap of its own (``set_per_process_memory_fraction``), in place of the workload's.
-``compression=lossless`` runs ours with ``OffloadConfig(compression="lossless")``.
+``compression=lossless`` runs ours with ``OffloadConfig(compression="lossless")``; ``map=on`` with
+``OffloadConfig(map_embeddings=True)``.
 
 Each method's setup runs inside its own worker process (``benchmarks.worker``); this module only
 defines what "set up" means and how the method reports its phase and streamed bytes.
@@ -82,6 +83,7 @@ OPTION_KEYS = (
     "compile",
     "cap",
     "compression",
+    "map",
 )
 COMPILE_MODES = ("regional", "whole", "graphs")
 PEER_VERSION = "0.5.0"
@@ -102,7 +104,7 @@ class MethodSpec:
     def label(self) -> str:
         """The spec without runner options (``compile`` kept): the name used in tables and plots."""
         label = self.name if self.arg is None else f"{self.name}:{self.arg}"
-        for key in ("compile", "cap", "compression"):  # these change what runs, not how long it is timed
+        for key in ("compile", "cap", "compression", "map"):  # they change what runs, not how it is timed
             if key in self.options:
                 label += f"/{key}={self.options[key]}"
         return label
@@ -164,6 +166,8 @@ def unsupported_reason(ms: MethodSpec, w: Workload, device: str) -> str | None:
         return "flextensor 0.5.0 compiles per unit only (compile_fn)"
     if "compression" in ms.options and ms.family != "ours":
         return "compression is flextensor's (OffloadConfig.compression)"
+    if "map" in ms.options and ms.family != "ours":
+        return "map is flextensor's (OffloadConfig.map_embeddings)"
     if ms.name == "native_ref" and (w.memory_cap_bytes is None or not cuda):
         return "no memory cap on this run: plain native is the reference"
     pipeline = w.kind == "wan_pipeline"
@@ -330,6 +334,8 @@ def _prepare_uncompiled(
             kwargs["max_gpu_mem_fraction"] = float(ms.arg or 0)
         if "compression" in ms.options:
             kwargs["compression"] = ms.options["compression"]
+        if ms.options.get("map") == "on":
+            kwargs["map_embeddings"] = True
         cfg = ft.OffloadConfig(**kwargs)
         wrapped = ft.offload(model, config=cfg)
         info = {"impl_file": ft.__file__, "impl_version": getattr(ft, "__version__", None), "config": kwargs}

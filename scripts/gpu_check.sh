@@ -11,7 +11,7 @@ export FLEXTENSOR_BENCH_CACHE=${FLEXTENSOR_BENCH_CACHE:-/tmp/ftcache}
 out=${OUT:-benchmarks/results}
 start=$SECONDS
 python3 -m pytest tests/test_gpu.py tests/test_gpu_compile.py tests/test_gpu_host_budget.py tests/test_gpu_pipeline.py \
-    tests/test_gpu_switch.py tests/test_cudart_calls.py \
+    tests/test_gpu_switch.py tests/test_mapped_units.py tests/test_cudart_calls.py \
     tests/test_checkpoint.py tests/test_editing.py tests/test_codec_gpu.py tests/test_cuda_graphs.py \
     tests/test_docs.py -m gpu -q -p no:cacheprovider --tb=short 2>&1 | tee "$out/gpu_tests.log" | tail -8
 echo "== per-unit host overhead (this engine)"

@@ -247,6 +247,7 @@ def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path
         [
             "native",
             "ours_budget:600KiB",
+            "ours_budget:600KiB/map=on",
             "diffusers_group",
             "diffusers_model_offload",
             "diffusers_sequential_offload",
@@ -271,6 +272,8 @@ def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path
         assert set(last["phase_s"]) == {"encode", "transformer", "transformer_2", "decode"}
     ours = runs["ours_budget:600KiB"]
     assert ours["phase"] == "inference" and ours["bytes_streamed_per_step"] > 0
+    assert ours["method_details"]["pipeline_switches"]["vacated"] > 0  # how its components switched
+    assert runs["ours_budget:600KiB/map=on"]["config"]["map_embeddings"] is True
     # Sequential offload moves each component at each of its calls; model offload each once a generation.
     sequential = runs["diffusers_sequential_offload"]["bytes_streamed_per_step"]
     whole = runs["diffusers_model_offload"]["bytes_streamed_per_step"]

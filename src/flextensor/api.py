@@ -119,6 +119,18 @@ def offload(
         resident.update(selection.resident_reasons)
         engine = OffloadEngine(model, config, target, units, resident, entry_methods)
         engine.store.set_host_budget(HostBudget(target.host_budget_bytes, target.runtime, target.pin))
+        if config.map_embeddings:
+            from .mapped_units import mark_mapped_units
+
+            mapped = mark_mapped_units(
+                units,
+                model,
+                target.device,
+                shared=config.share_host_memory,
+                host_budget=engine.store.host.capacity is not None,
+                compressed=config.compression != "off",
+            )
+            engine.policy.mapped = frozenset(mapped)
         packing.on_undo(engine.store.host.free)
         packing.on_undo(engine.hooks.detach)
         packing.on_undo(engine.unguard_parameters)

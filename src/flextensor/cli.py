@@ -121,6 +121,7 @@ def _cmd_profile_show(args: argparse.Namespace) -> int:
 
     placement = {u: "resident" for u in profile.plan.resident}
     placement.update({u: "streamed" for u in profile.plan.streamed})
+    placement.update({u: "mapped" for u in profile.plan.mapped})
     table = Table(title="units, in execution order", title_justify="left")
     table.add_column("#", justify="right", style="dim")
     table.add_column("unit", overflow="fold")
@@ -169,9 +170,11 @@ def _plan_summary(plan: Plan, measurements: Measurements, title: str) -> Any:
     sizes = {u.name: u.nbytes for u in measurements.units}
     grid = _grid(title)
     grid.add_row("budget", "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes))
-    grid.add_row(
-        "resident", f"{len(plan.resident)} units, {format_bytes(sum(sizes[u] for u in plan.resident))}"
-    )
+    on_device = [u for u in plan.resident if u not in plan.mapped]
+    grid.add_row("resident", f"{len(on_device)} units, {format_bytes(sum(sizes[u] for u in on_device))}")
+    if plan.mapped:
+        held = format_bytes(sum(sizes[u] for u in plan.mapped))
+        grid.add_row("mapped", f"{len(plan.mapped)} units, {held} read in place from host memory")
     grid.add_row(
         "streamed", f"{len(plan.streamed)} units, {format_bytes(sum(sizes[u] for u in plan.streamed))}"
     )
@@ -215,7 +218,6 @@ def _measurement_summary(measurements: Measurements, host: HostPlan | None = Non
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .planner import plan_offload
     from .profile_file import load_profile_file
 
     budgets = parse_budget(args.budget, args.steps)
@@ -223,13 +225,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     measurements = profile.measurements
     console = _console()
     if len(budgets) == 1:
-        plan = plan_offload(measurements, budgets[0], profile.host)  # BudgetError: one line, status 2
+        plan = _plan(profile, budgets[0])  # BudgetError: one line, status 2
         console.print(_plan_summary(plan, measurements, title=f"plan for {args.path}"))
         console.print()
         console.print(_simulated_units(plan, measurements))
         return EXIT_OK
     console.print(_budget_table(profile, budgets))
     return EXIT_OK
+
+
+def _plan(profile: Profile, budget: int | None) -> Plan:
+    """The plan for ``profile``'s measurements under ``budget``, with the units its plan maps mapped
+    again (planned without them, as the run plans them)."""
+    from .plan_policy import with_mapped, without_units
+    from .planner import plan_offload
+
+    mapped = set(profile.plan.mapped)
+    plan = plan_offload(without_units(profile.measurements, mapped), budget, profile.host)
+    return with_mapped(plan, profile.measurements, mapped)
 
 
 def _simulated_units(plan: Plan, measurements: Measurements) -> Any:
@@ -267,8 +280,6 @@ def _simulated_units(plan: Plan, measurements: Measurements) -> Any:
 def _budget_table(profile: Profile, budgets: list[int | None]) -> Any:
     from rich.table import Table
 
-    from .planner import plan_offload
-
     measurements = profile.measurements
     table = Table(
         title=f"plans over budgets ({measurements.compute_s * 1e3:.2f} ms with every weight resident)",
@@ -285,7 +296,7 @@ def _budget_table(profile: Profile, budgets: list[int | None]) -> Any:
     for budget in budgets:
         label = "none" if budget is None else format_bytes(budget)
         try:
-            plan = plan_offload(measurements, budget, profile.host)
+            plan = _plan(profile, budget)
         except BudgetError as e:
             table.add_row(label, "-", "-", "-", "-", "-", "-", f"[red]{e}[/]")
             continue

@@ -216,6 +216,18 @@ class OffloadConfig(BaseModel):
         ),
     )
 
+    map_embeddings: bool = Field(
+        default=False,
+        description=(
+            "Keep the offload units made only of nn.Embedding modules (a text encoder's token embedding) "
+            "in page-locked host memory and let the device read the rows each call needs there, in "
+            "place: they take no device memory and are never copied, and the plans give their room to "
+            "other units. For embeddings much larger than what a call reads; a weight also read by "
+            "another kind of module (an LM head tied to it) is never mapped. Not with share_host_memory, "
+            "a host memory budget or compression (offload() warns and maps nothing). See "
+            "docs/pipelines.md."
+        ),
+    )
     entry_methods: tuple[str, ...] = Field(
         default=("encode", "decode"),
         description=(

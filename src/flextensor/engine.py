@@ -176,7 +176,7 @@ class OffloadEngine(ForwardEnds):
     def layout_bytes(self) -> int:
         """The device bytes the plan in force holds once laid out: its arena and resident units."""
         plan = self.current.plan  # type: ignore[union-attr]
-        return plan.arena_bytes + sum(self.units[n].nbytes for n in plan.resident if n in self.units)
+        return plan.arena_bytes + sum(self.units[n].device_nbytes for n in plan.resident if n in self.units)
 
     def lay_out_in_stream_order(self) -> bool:
         """Lay the plan in place out now, before this model's next forward, ordered on the current stream

@@ -277,6 +277,16 @@ class UnitPack:
             self._unlock = unlock_when_gone(self, self._mmap, self._buffer.data_ptr())
             self.pinned = True
 
+    def hand_pinning_to(self, holder: object) -> None:
+        """Keep this pack's memory page-locked until ``holder`` is collected, whatever unpin() or free()
+        do before: a device mapping of the memory (mapped_units.py), which a tensor the caller still holds
+        may read after the pack is freed, must never point at memory the driver let go of."""
+        with self._pin_lock:
+            assert self._unlock is not None and self._mmap is not None, "only a pinned pack of its own"
+            self._unlock.detach()
+            self._unlock = None  # unpin() and free() leave the page-locking alone from now on
+            unlock_when_gone(holder, self._mmap, self._buffer.data_ptr())
+
     def unpin(self) -> None:
         """Page-unlock this pack's own memory (no copy may be reading it); no-op if not pinned by it. Its
         reader, if it is still being read, no longer pins it."""

@@ -28,6 +28,9 @@ class Plan:
     ``coded``: streamed units loaded compressed (see [Note: coded loads] in measurements.py), staged ones
     included (their compressed pieces go through the staging ring), in execution order; the others are
     copied as packed.
+    ``mapped``: resident units read in place from their pinned host packs (see [Note: mapped units] in
+    mapped_units.py), in execution order: laid out as resident, they hold no device bytes, and the plan
+    was made without them.
     """
 
     resident: tuple[str, ...]
@@ -38,14 +41,16 @@ class Plan:
     budget_bytes: Bytes | None = None
     staged: tuple[str, ...] = ()
     coded: tuple[str, ...] = ()
+    mapped: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One line for the log: counts, arena, and what the simulator predicts."""
         budget = "" if self.budget_bytes is None else f" (budget {self.budget_bytes / 2**30:.2f} GiB)"
         staged = f" ({len(self.staged)} staged)" if self.staged else ""
         staged += f" ({len(self.coded)} compressed)" if self.coded else ""
+        mapped = f" ({len(self.mapped)} mapped)" if self.mapped else ""
         return (
-            f"{len(self.streamed)} unit(s) streamed{staged}, {len(self.resident)} resident, arena "
+            f"{len(self.streamed)} unit(s) streamed{staged}, {len(self.resident)} resident{mapped}, arena "
             f"{self.arena_bytes / 2**30:.2f} GiB, predicted step {self.predicted_step_s * 1e3:.1f} ms, "
             f"predicted peak {self.predicted_peak_bytes / 2**30:.2f} GiB{budget}"
         )

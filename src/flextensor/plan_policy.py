@@ -29,7 +29,7 @@ compressed), and a run started from it holds its packs uncompressed from the sta
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -90,6 +90,7 @@ class PlanPolicy:
         self.link_bound = False  # set by plan_for_every_input
         self.decode_bps: float | None = None  # set by stream_coded
         self.coded_sizes: Callable[[], dict[str, tuple[int, int]]] | None = None
+        self.mapped: frozenset[str] = frozenset()  # units read in place from host memory (mapped_units.py)
 
     def count_weights_only(self, fixed_weight_bytes: Callable[[], int]) -> None:
         """Plan for the weights alone: ``fixed_weight_bytes()`` (asked at each plan: a weight may leave
@@ -146,7 +147,12 @@ class PlanPolicy:
     def make_plan(self, measurements: Measurements) -> Plan:
         """The plan for ``measurements``: under the budget; without one, within the device's share; and
         below the peak of a plan whose layout ran out of memory. A plan with coded loads that does not fit
-        gives way to one without (see [Note: compression yields to the budget]): its ``coded`` is empty."""
+        gives way to one without (see [Note: compression yields to the budget]): its ``coded`` is empty.
+        Mapped units are planned as if they were not units, then held resident (``Plan.mapped``)."""
+        plan = self._plan_unmapped(without_units(measurements, set(self.mapped)))
+        return with_mapped(plan, measurements, self.mapped)
+
+    def _plan_unmapped(self, measurements: Measurements) -> Plan:
         measurements = self.planned(measurements)
         try:
             return self._make_plan(measurements)
@@ -212,7 +218,7 @@ class PlanPolicy:
         activation peak measured so far.
         """
         units = list(units)
-        resident = {u.name: u.nbytes for u in units if u.resident}
+        resident = {u.name: u.device_nbytes for u in units if u.resident}
         limit = self.memory_limit()
         if limit is None or not resident:
             return set(resident)
@@ -226,6 +232,7 @@ class PlanPolicy:
         # Units that never ran are loaded on demand at the arena's start: the arena holds the largest.
         idle = minimal_arena_bytes([u.nbytes for u in units if u not in in_order])
         kept = residents_within(resident, streamed, limit - fixed - reserve, arena_floor=idle)
+        kept |= {u.name for u in units if u.resident and u.mapped is not None}  # no room to give back
         if len(kept) < len(resident):
             logger.info(
                 "profiling streams %d of the %d resident unit(s), to leave room for activations",
@@ -233,6 +240,32 @@ class PlanPolicy:
                 len(resident),
             )
         return kept
+
+
+def without_units(measurements: Measurements, names: set[str]) -> Measurements:
+    """``measurements`` as if the units ``names`` were not units: their device time becomes time between
+    units (that of the next one, or the step's tail)."""
+    if not names:
+        return measurements
+    units, carried = [], 0.0
+    for unit in measurements.units:
+        if unit.name in names:
+            carried += unit.gap_before_s + unit.compute_s
+        else:
+            units.append(replace(unit, gap_before_s=unit.gap_before_s + carried))
+            carried = 0.0
+    return replace(measurements, units=tuple(units), tail_s=measurements.tail_s + carried)
+
+
+def with_mapped(plan: Plan, measurements: Measurements, mapped: Collection[str]) -> Plan:
+    """``plan``, made without the units ``mapped`` (:func:`without_units`), with those of them among
+    ``measurements`` held resident, read in place (``Plan.mapped``)."""
+    names = tuple(u.name for u in measurements.units if u.name in mapped)
+    if not names:
+        return plan
+    resident = set(plan.resident) | set(names)
+    in_order = tuple(u.name for u in measurements.units if u.name in resident)
+    return replace(plan, resident=in_order, mapped=names)
 
 
 def without_coding(measurements: Measurements) -> Measurements:

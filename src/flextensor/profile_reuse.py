@@ -163,6 +163,9 @@ def start_from_loaded_profile(engine: OffloadEngine, profile: Profile, source: s
     elif not _keeps_budget(engine, plan):
         logger.info("profile %s was planned for another budget; re-planning", source)
         plan = None
+    elif set(plan.mapped) != engine.policy.mapped:
+        logger.info("profile %s was planned with other units mapped (map_embeddings); re-planning", source)
+        plan = None
     elif plan.coded and engine.policy.decode_bps is None:
         logger.info("profile %s was planned with compressed loads, now off; re-planning", source)
         plan = None

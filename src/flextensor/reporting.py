@@ -49,7 +49,7 @@ class UnitReport:
     ``slot_end`` are its byte range in the arena, None for a resident unit and while the layout is given
     back (a pipeline's component between its steps: ``device_bytes_held`` is 0 then). ``coded_nbytes``:
     the size of its host copy held compressed (``compression="lossless"``), what a load of it copies;
-    None if raw.
+    None if raw. ``mapped``: resident, read in place from its pinned host copy (``map_embeddings``).
     """
 
     name: str
@@ -61,11 +61,14 @@ class UnitReport:
     slot_start: int | None
     slot_end: int | None
     coded_nbytes: int | None = None
+    mapped: bool = False
 
     @property
     def placement(self) -> str:
-        """``"resident"`` or ``"streamed"``."""
-        return "resident" if self.resident else "streamed"
+        """``"resident"``, ``"mapped"`` (resident, in host memory) or ``"streamed"``."""
+        if self.resident:
+            return "mapped" if self.mapped else "resident"
+        return "streamed"
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ def _slot_scale(arena_bytes: int) -> tuple[str, int]:
 
 def _slot(unit: UnitReport, scale: tuple[str, int]) -> str:
     if unit.resident:
-        return "resident"
+        return "host memory" if unit.mapped else "resident"
     if unit.slot_start is None or unit.slot_end is None:
         return "-"  # the layout is given back (a pipeline's component between its steps)
     name, factor = scale
@@ -389,6 +392,7 @@ def report(model: nn.Module) -> Report | PipelineReport:
                 slot_start=start,
                 slot_end=end,
                 coded_nbytes=state.pack.coded_nbytes if state.pack is not None and state.pack.coded else None,  # type: ignore[attr-defined]
+                mapped=state.mapped is not None,
             )
         )
 

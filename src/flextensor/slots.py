@@ -303,6 +303,12 @@ class DeviceStore:
 
     def _upload(self, unit: Unit, copy_stream: object = None) -> None:
         assert unit.pack is not None
+        if unit.mapped is not None:  # its pack, read in place: nothing to allocate, copy or count
+            unit.storage = unit.mapped
+            unit.point_parameters()
+            unit.storage_version = unit.weights_version()
+            unit.placement = Placement.RESIDENT
+            return
         storage = allocate_device_bytes(unit.nbytes, self.runtime.device)
         if unit.pack.coded and self.runtime.is_cuda:
             # Decoded on the device: the host's decoder runs at about 0.2 GB/s, 2 s per 8B-model layer.
@@ -350,7 +356,7 @@ class DeviceStore:
             pack = unit.pack
             if pack is None or pack.shared or pack.disk:  # a disk pack holds no host memory to give back
                 continue
-            if unit.name in resident_everywhere and unit.resident:
+            if unit.name in resident_everywhere and unit.resident and unit.mapped is None:
                 if unit.storage is not None and unit.weights_version() != unit.storage_version:
                     continue  # edited in place since the upload: the pack is refreshed when it streams
                 pack.free()
@@ -363,6 +369,9 @@ class DeviceStore:
         on a synchronised device."""
         assert unit.storage is not None
         edited = unit.weights_version() != unit.storage_version
+        if unit.mapped is not None:  # its storage is the pack: edits are in it already
+            unit.storage_version = unit.weights_version()
+            return
         if unit.pack is not None and not edited:
             return
         if unit.pack is not None and (unit.pack.disk or unit.pack.coded):
@@ -439,7 +448,9 @@ class DeviceStore:
         buffer of coded loads."""
         reserved = 0 if self.reserved is None else self.reserved.numel()
         staging = 0 if self.coded_loads is None else self.coded_loads.nbytes
-        return self.arena_bytes() + reserved + staging + sum(u.nbytes for u in self.units if u.resident)
+        return (
+            self.arena_bytes() + reserved + staging + sum(u.device_nbytes for u in self.units if u.resident)
+        )
 
     def host_bytes_held(self) -> int:
         """Host bytes held for units: their packs (a shared pack counts its range of the segment)."""

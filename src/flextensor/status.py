@@ -28,7 +28,9 @@ class UnitStatus:
     given resident storage and had its pack built again from it. ``staged``: its copies go through the
     staging ring (its pack did not fit the host budget; see docs/host-memory.md). ``on_disk``: it has no
     host pack, its copies read the checkpoint file (the disk tier; see docs/host-memory.md).
-    ``compressed``: its pack is held compressed (``compression="lossless"``; see docs/compression.md)."""
+    ``compressed``: its pack is held compressed (``compression="lossless"``; see docs/compression.md).
+    ``mapped``: when resident, the device reads its pinned pack in place and it holds no device memory
+    (``map_embeddings``; see docs/pipelines.md)."""
 
     name: str
     nbytes: int
@@ -41,6 +43,7 @@ class UnitStatus:
     staged: bool = False
     on_disk: bool = False
     compressed: bool = False
+    mapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ def status_of(engine: OffloadEngine) -> OffloadStatus:
             staged=u.pack is not None and u.staging is not None,
             on_disk=u.pack is not None and u.pack.disk,
             compressed=u.pack is not None and u.pack.coded,
+            mapped=u.mapped is not None,
         )
         for u in ordered
     )

@@ -79,7 +79,12 @@ def _packs_in_stream_order(store: DeviceStore, giving_back_residents: bool) -> b
         pack = unit.pack
         if pack is None or pack.coded or pack.disk or unit.staging is not None:
             return False
-        if giving_back_residents and unit.resident and unit.weights_version() != unit.storage_version:
+        if (
+            giving_back_residents
+            and unit.resident
+            and unit.mapped is None
+            and unit.weights_version() != unit.storage_version
+        ):
             return False  # edited in place: its pack is refreshed from the device, which must be idle
     return True
 
@@ -93,7 +98,8 @@ def let_go_in_stream_order(store: DeviceStore, keep_resident: bool) -> None:
     compute.wait_stream(runtime.copy_stream)
     if not runtime.is_cuda:
         return
-    residents = () if keep_resident else (u.storage for u in store.units if u.resident)
+    # A mapped unit's storage is its host pack, which stays: nothing of it goes back to the allocator.
+    residents = () if keep_resident else (u.storage for u in store.units if u.resident and u.mapped is None)
     freed = [store.arena, store.reserved, *residents]
     for tensor in freed:
         if tensor is not None:

@@ -68,6 +68,8 @@ class Unit:
     through (see [Note: host budget] in host_budget.py).
     ``storage_version``: :meth:`weights_version` when the device storage's contents last matched the pack
     (an in-place edit of a resident unit's weights bumps it).
+    ``mapped``: its pinned pack seen from the device: when resident, that is its storage, and it holds no
+    device memory (see [Note: mapped units] in mapped_units.py). None: not mapped.
     ``aliases``: (path, module) of the modules outside every unit that hold some of its weights (tied):
     a call of one is hooked as a call of the unit (see [Note: tied aliases] in discovery.py).
     """
@@ -88,6 +90,7 @@ class Unit:
     pack_rebuilds: int = 0  # times its host pack was built again from device storage
     staging: Any = None  # the StagingRing its copies go through when its pack is not pinned (host budget)
     aliases: tuple[tuple[str, nn.Module], ...] = ()
+    mapped: torch.Tensor | None = None  # its pinned pack seen from the device (mapped_units.py)
     entries: tuple[PackedParameter, ...] = field(init=False)
     nbytes: int = field(init=False)
 
@@ -98,6 +101,11 @@ class Unit:
     @property
     def resident(self) -> bool:
         return self.placement.on_device
+
+    @property
+    def device_nbytes(self) -> int:
+        """The device memory the unit takes when resident: none when mapped."""
+        return 0 if self.mapped is not None else self.nbytes
 
     def held_by(self, module: nn.Module) -> bool:
         """Whether ``module`` holds one of this unit's parameters itself (an alias still tied to it)."""
