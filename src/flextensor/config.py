@@ -224,7 +224,7 @@ class OffloadConfig(BaseModel):
             "place: they take no device memory and are never copied, and the plans give their room to "
             "other units. For embeddings much larger than what a call reads; a weight also read by "
             "another kind of module (an LM head tied to it) is never mapped. Not with share_host_memory, "
-            "a host memory budget or compression (offload() warns and maps nothing). See "
+            "compression, or a host memory budget that stages packs (offload() warns and maps nothing). See "
             "docs/pipelines.md."
         ),
     )

@@ -29,14 +29,13 @@ pipeline remembers each component's last run, its length and which component fol
 component ends a step that completes a run as long as its last one, the component that followed it then
 is laid out at once (``OffloadEngine.lay_out_ahead``), while the device still runs the end of this one:
 its resident units upload and its first streamed units copy on its copy stream, so its first step
-starts with them in place (``transformer_2`` ready when the switch comes). The stream the layout was made
-on then waits for the copy stream: its resident units carry no hooks, and one called directly before
-the component's forward must read its upload (a forward on another stream waits for the copy stream
-itself). Only when its planned peak
-fits the budget beside what the finishing component holds (after the others gave memory back as at a
-step, which waits for the device as it would then): a layout ahead never makes the finishing component
-give its memory back. A wrong guess (a generation with more steps) costs memory the next step may take
-back, not correctness.
+starts with them in place (``transformer_2`` ready when the switch comes). The stream the layout was
+made on then waits for the copy stream: its resident units carry no hooks, and one called directly
+before the component's forward must read its upload (a forward on another stream waits for the copy
+stream itself). Only when its planned peak fits the budget beside what the finishing component holds
+(after the others gave memory back as at a step, which waits for the device as it would then): a layout
+ahead never makes the finishing component give its memory back. A wrong guess (a generation with more
+steps) costs memory the next step may take back, not correctness.
 
 [Note: the switch at a run's end]
 Under a budget that holds one component at a time (Wan2.2 under 8 GiB: the text encoder holds 7 GB, each
