@@ -39,7 +39,7 @@ on its own with ``module.compile()``, as diffusers' ``compile_repeated_blocks``;
 native compiled reference for ``ours/compile=regional``. ``cap=24GiB`` runs that method under a GPU
 memory cap of its own (``set_per_process_memory_fraction``), in place of the workload's.
 ``compression=lossless`` runs ours with ``OffloadConfig(compression="lossless")``; ``map=on`` with
-``OffloadConfig(map_embeddings=True)``.
+``OffloadConfig(map_embeddings=True)``, ``map=off`` with ``False`` (a pipeline maps by default).
 
 Each method's setup runs inside its own worker process (``benchmarks.worker``); this module only
 defines what "set up" means and how the method reports its phase and streamed bytes.
@@ -334,8 +334,8 @@ def _prepare_uncompiled(
             kwargs["max_gpu_mem_fraction"] = float(ms.arg or 0)
         if "compression" in ms.options:
             kwargs["compression"] = ms.options["compression"]
-        if ms.options.get("map") == "on":
-            kwargs["map_embeddings"] = True
+        if "map" in ms.options:
+            kwargs["map_embeddings"] = ms.options["map"] == "on"
         cfg = ft.OffloadConfig(**kwargs)
         wrapped = ft.offload(model, config=cfg)
         info = {"impl_file": ft.__file__, "impl_version": getattr(ft, "__version__", None), "config": kwargs}

@@ -81,8 +81,8 @@ def _prepare_ours(ms: MethodSpec, model: Any, device: str, nbytes: dict[str, int
         kwargs["gpu_memory_budget"] = ms.arg
     elif ms.name == "ours_frac":
         kwargs["max_gpu_mem_fraction"] = float(ms.arg or 0)
-    if ms.options.get("map") == "on":
-        kwargs["map_embeddings"] = True
+    if "map" in ms.options:
+        kwargs["map_embeddings"] = ms.options["map"] == "on"
     pipe = ft.offload(model.pipe, config=ft.OffloadConfig(**kwargs))
     info = {"impl_file": ft.__file__, "impl_version": getattr(ft, "__version__", None), "config": kwargs}
 

@@ -136,7 +136,9 @@ class PhaseTimer:
     Phases: ``encode`` (text encoder calls), ``transformer`` and ``transformer_2`` (each expert's
     forwards, guidance included), ``decode`` (``vae.decode``). Timed from the outermost entry into a
     component until it returns; time between components (the scheduler, latents, an offloader's switch
-    made before the component's first hook) counts to none.
+    made before the component's first hook) counts to none, and is recorded by transition instead
+    (``between_s``: ``start->encode`` from the generation's start, ``encode->transformer``, ...,
+    ``decode->end`` until it returned).
 
     On a GPU each entry and exit records an event on the current stream, and the phase's time is the
     device time between them, read once the generation has returned. A synchronisation at each phase
@@ -152,8 +154,9 @@ class PhaseTimer:
         self.calls: dict[str, int] = {}
         self.last_step: dict[str, Any] = {}
         self._depth = 0
-        self._start: Any = 0.0  # a CUDA event on a GPU, else perf_counter's reading
-        self._spans: list[tuple[str, Any, Any]] = []  # (phase, start, end) of this generation, on a GPU
+        self._start: Any = 0.0  # a CUDA event on a GPU, else perf_counter's reading (see _mark)
+        self._begun: Any = 0.0  # the generation's start, the same way
+        self._spans: list[tuple[str, Any, Any]] = []  # (phase, start, end) of this generation
         for phase, component in (
             ("encode", pipe.text_encoder),
             ("transformer", pipe.transformer),
@@ -189,28 +192,40 @@ class PhaseTimer:
         self._depth -= 1
         if self._depth > 0:
             return
-        end = time.perf_counter() if isinstance(self._start, float) else _mark()
-        if isinstance(end, float):
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + end - self._start
-        else:
-            self._spans.append((phase, self._start, end))
+        self._spans.append((phase, self._start, _mark()))
         self.peaks[phase] = max(self.peaks.get(phase, 0), _peak())
         self.calls[phase] = self.calls.get(phase, 0) + 1
 
     def begin_step(self) -> None:
         self.seconds, self.peaks, self.calls, self._spans = {}, {}, {}, []
+        self._begun = _mark()
 
     def end_step(self) -> None:
-        if self._spans:
-            self._spans[-1][2].synchronize()  # the generation's last phase: every event before it is done
+        """Each phase's time, and the time between phases by transition (``start->encode``, ...,
+        ``decode->end``: the generation's start and its return bracket the first and last)."""
+        finished = _mark()
+        if not isinstance(finished, float):
+            finished.synchronize()  # every event before it is done
+        between: dict[str, float] = {}
+        previous, previous_end = "start", self._begun
         for phase, start, end in self._spans:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + start.elapsed_time(end) / 1000.0
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + _elapsed(start, end)
+            key = f"{previous}->{phase}"
+            between[key] = between.get(key, 0.0) + _elapsed(previous_end, start)
+            previous, previous_end = phase, end
+        between[f"{previous}->end"] = _elapsed(previous_end, finished)
         self._spans = []
         self.last_step = {
             "phase_s": {p: round(s, 4) for p, s in self.seconds.items()},
+            "between_s": {k: round(v, 4) for k, v in between.items()},
             "phase_peak_allocated_bytes": dict(self.peaks),
             "phase_calls": dict(self.calls),
         }
+
+
+def _elapsed(start: Any, end: Any) -> float:
+    """Seconds between two marks (see :func:`_mark`)."""
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000.0
 
 
 def _cuda() -> bool:

@@ -14,7 +14,7 @@
 # output by SHA-256) instead of running native again: ~250 s saved per call. Outputs differ between GPU
 # models, so pass one per model: H200 benchmarks/results/wan22_pipeline-cuda-20261205-165450.json,
 # H100 benchmarks/results/h100/wan22_pipeline-cuda-20261205-182647.json.
-# METHODS overrides the part's list. PROFILE=1 profiles one more generation of each method and prints
+# METHODS overrides the part's list; STEPS the timed generations of each method (2). PROFILE=1 profiles one more generation of each method and prints
 # flextensor's ranges (layouts, uploads, vacates at the switches; waits and prefetches in the steps).
 #   device tool: carry [".whl"], command: PART=1 bash scripts/gpu_pipeline_check.sh
 set -u
@@ -31,7 +31,7 @@ if [ -n "${PROFILE:-}" ]; then export FLEXTENSOR_BENCH_PROFILE=summary; fi
 reference=()
 for file in ${REFERENCE:-}; do reference+=(--reference "$file"); done
 python3 -m benchmarks.run --workload wan22_pipeline --device cuda --out "$out" --deadline "${DEADLINE:-560}" --timeout 330 \
-    --min-steps 2 --max-steps 2 --methods "$methods" "${reference[@]}" 2>&1 | tail -12
+    --min-steps "${STEPS:-2}" --max-steps "${STEPS:-2}" --methods "$methods" "${reference[@]}" 2>&1 | tail -12
 python3 - "$out" <<'PY'
 import glob, json, sys
 path = sorted(glob.glob(f"{sys.argv[1]}/wan22_pipeline-cuda-*.json"))[-1]
@@ -40,6 +40,8 @@ for r in json.load(open(path))["runs"]:
     peaks = {k: round(v / 1e9, 2) for k, v in last.get("phase_peak_allocated_bytes", {}).items()}
     print(r["method_spec"], r["status"], r.get("step_s"), "phases s:", last.get("phase_s"), "peaks GB:", peaks,
           "rss GB:", round((r.get("host_rss_peak_bytes") or 0) / 1e9, 1), (r.get("reason") or "")[:300])
+    for step in r.get("phase_steps") or []:
+        print("  between phases s:", step.get("between_s"))
     switches = (r.get("method_details") or {}).get("pipeline_switches")
     if switches:
         print("  switches:", switches)

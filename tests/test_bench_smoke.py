@@ -247,7 +247,7 @@ def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path
         [
             "native",
             "ours_budget:600KiB",
-            "ours_budget:600KiB/map=on",
+            "ours_budget:600KiB/map=off",
             "diffusers_group",
             "diffusers_model_offload",
             "diffusers_sequential_offload",
@@ -270,10 +270,15 @@ def test_whole_pipeline_workload_runs_every_method_and_times_each_phase(tmp_path
         # Guidance doubles each expert's forwards; the sampling shift puts two of the four steps on each.
         assert last["phase_calls"] == {"encode": 2, "transformer": 4, "transformer_2": 4, "decode": 1}
         assert set(last["phase_s"]) == {"encode", "transformer", "transformer_2", "decode"}
+        between = last["between_s"]  # by transition, from the generation's start to its return
+        assert {"start->encode", "encode->transformer", "transformer->transformer_2", "decode->end"} <= set(
+            between
+        ), between
+        assert all(s >= 0 for s in between.values()), between
     ours = runs["ours_budget:600KiB"]
     assert ours["phase"] == "inference" and ours["bytes_streamed_per_step"] > 0
     assert ours["method_details"]["pipeline_switches"]["vacated"] > 0  # how its components switched
-    assert runs["ours_budget:600KiB/map=on"]["config"]["map_embeddings"] is True
+    assert runs["ours_budget:600KiB/map=off"]["config"]["map_embeddings"] is False
     # Sequential offload moves each component at each of its calls; model offload each once a generation.
     sequential = runs["diffusers_sequential_offload"]["bytes_streamed_per_step"]
     whole = runs["diffusers_model_offload"]["bytes_streamed_per_step"]

@@ -398,3 +398,52 @@ def test_a_resident_unit_called_by_hand_after_a_layout_ahead_reads_its_upload(
             for _ in range(count):
                 out = parts[name](out)
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@torch.no_grad()
+def test_a_run_that_ends_in_a_give_back_copies_nothing_in_for_a_next_forward(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last forward of a run, after which the component gives its memory back, does not copy in the
+    first units of a next forward (the ring's wrap): they would be thrown away, and they held up the
+    link and the switch. A run longer than the last one loads them at its extra forward, bitwise."""
+    from flextensor.range_copies import holds_weights
+
+    cuda = device == "cuda"
+    dim, tokens, repeats = (4096, 2048, 8) if cuda else (64, 4, 1)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    x = torch.randn(tokens, dim, dtype=dtype, device=device)
+    longer_run = (1, 4, 2)  # "second" runs once more than it learned
+    reference = x
+    for name, count in zip(NAMES, longer_run, strict=True):
+        plain = components(dim, dtype, device, repeats)[name]  # one at a time: the budget is tight
+        for _ in range(count):
+            reference = plain(reference)
+        del plain
+    with steady_components(one_at_a_time_budget(dim, dtype, device, repeats, x), x, dim, dtype, repeats) as (
+        parts,
+        expected,
+    ):
+        engines = {id(engine_of(m).store): engine_of(m) for m in parts.values()}
+        first_held: list[bool] = []  # at each give-back of a component with a wrapping ring
+        real_vacate = DeviceStore._vacate
+
+        def vacate(self: DeviceStore, keep_resident: bool) -> None:
+            plan = engines[id(self)].current.plan
+            if plan.streamed and self.past_end:
+                first_held.append(holds_weights(engines[id(self)].units[plan.streamed[0]], self.owner))
+            real_vacate(self, keep_resident)
+
+        monkeypatch.setattr(DeviceStore, "_vacate", vacate)
+        for _ in range(2):
+            assert torch.equal(generation(parts, x), expected)
+        assert len(first_held) >= 4 and not any(first_held), first_held
+        assert all(not e._past_end_off for e in engines.values())
+        wrapping = [(u, ring) for e in engines.values() for u, ring, _ in e.store.past_end]
+        assert all(u.prefetch_next == ring for u, ring in wrapping)  # the layout's own after the forward
+        ours = x
+        for name, count in zip(NAMES, longer_run, strict=True):
+            for _ in range(count):
+                ours = parts[name](ours)
+        assert torch.equal(ours, reference)

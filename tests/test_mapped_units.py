@@ -284,3 +284,38 @@ def test_on_cuda_the_device_reads_the_mapped_pack_bitwise() -> None:
     gc.collect()
     assert torch.equal(kept[:64].cpu(), first_bytes)  # still page-locked: the device reads it
     assert torch.equal(hidden(model, ids), expected)
+
+
+@torch.no_grad()
+def test_a_pipeline_maps_a_vocabulary_by_default_and_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """A pipeline's components map their token embeddings unless map_embeddings is set: only a
+    vocabulary-sized table, and with no warning for the components that have none."""
+    from flextensor.mapped_units import VOCABULARY_ROWS
+
+    def pipeline() -> dict[str, nn.Module]:
+        torch.manual_seed(0)
+        config = transformers.UMT5Config(
+            vocab_size=VOCABULARY_ROWS, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2
+        )
+        encoder = transformers.UMT5EncoderModel(config).eval()
+        return {"text_encoder": encoder, "head": nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))}
+
+    ids = torch.randint(0, VOCABULARY_ROWS, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def generation(parts: dict[str, nn.Module]) -> torch.Tensor:
+        return parts["head"](parts["text_encoder"](input_ids=ids).last_hidden_state)
+
+    expected = generation(pipeline())
+    for fields, mapped in (({}, True), ({"map_embeddings": False}, False)):
+        parts = pipeline()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="flextensor"):
+            flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", **fields))
+        try:
+            for _ in range(4):
+                assert torch.equal(generation(parts), expected)
+            assert flextensor.status(parts["text_encoder"]).unit(EMBEDDING).mapped is mapped
+            assert not any(r.levelno >= logging.WARNING for r in caplog.records), caplog.text
+            assert "maps nothing" not in caplog.text  # the head has no vocabulary: no news
+        finally:
+            flextensor.release(parts)

@@ -224,8 +224,9 @@ class OffloadConfig(BaseModel):
             "place: they take no device memory and are never copied, and the plans give their room to "
             "other units. For embeddings much larger than what a call reads; a weight also read by "
             "another kind of module (an LM head tied to it) is never mapped. Not with share_host_memory, "
-            "compression, or a host memory budget that stages packs (offload() warns and maps nothing). See "
-            "docs/pipelines.md."
+            "compression, or a host memory budget that stages packs (offload() warns and maps nothing). "
+            "Unset, a pipeline's components map their vocabulary-sized tables (16384 rows or more) where "
+            "they can, without warnings; a single model maps nothing. See docs/pipelines.md."
         ),
     )
     entry_methods: tuple[str, ...] = Field(

@@ -89,6 +89,11 @@ class OffloadEngine(ForwardEnds):
         self.before_outside_layout: Callable[[OffloadEngine], None] | None = None  # a pipeline's
         self.held_beside: Callable[[], int] = lambda: 0  # a pipeline's: what its other components hold
         self._laid_out_on: object = None  # the stream a layout made before the forward was ordered on
+        # Set by a pipeline before a forward after which this model gives its memory back: that forward
+        # copies nothing in for the next one (DeviceStore.prefetch_past_end), and _past_end_off is True
+        # while it runs.
+        self.gives_back_after_forward = False
+        self._past_end_off = False
         self._early_failed: set[bool] = set()  # a layout ahead (True) or at a run's end (False) failed
         self.hooks = ModelHooks(self)
         self.phase = Phase.DISCOVERY
@@ -282,10 +287,18 @@ class OffloadEngine(ForwardEnds):
             self._outside.called.clear()
         driver.begin()
         self.step = driver
+        gives_back, self.gives_back_after_forward = self.gives_back_after_forward, False
+        if gives_back and self.phase is Phase.INFERENCE and self.laid_out and not self._graph_bound():
+            self.store.prefetch_past_end(False)
+            self._past_end_off = True
         if self.store.arena is not None:
             self._autocast_cache.enter()
             if torch.is_grad_enabled():
                 self._grad_guard.enter(self.store.arena)
+
+    def _graph_bound(self) -> bool:
+        """Whether a CUDA graph records or holds this layout's copies (see [Note: captured forwards])."""
+        return self.graphs.layout_kept or self.graphs.capturing()
 
     def _driver(self) -> Any:
         if self.phase is Phase.DISCOVERY or (self.phase is Phase.INFERENCE and self._check_next):
@@ -331,6 +344,9 @@ class OffloadEngine(ForwardEnds):
         forward's driver becomes the captured one (see [Note: captured forwards])."""
         if isinstance(self.step, CapturedStep) or not self.graphs.capturing():
             return
+        if self._past_end_off:  # a graph replays its copies at every forward: the layout's own
+            self._past_end_off = False
+            self.store.prefetch_past_end(True)
         driver = self._captured_driver()
         driver.begin()
         self.step = driver
@@ -340,6 +356,9 @@ class OffloadEngine(ForwardEnds):
         # Compiled unit ops bumped the counters of the weights they order by: no edit, and a new plan
         # made while closing the forward must not take them for one (see WeightWatch).
         self.watch.refresh()
+        if self._past_end_off:
+            self._past_end_off = False
+            self.store.prefetch_past_end(True)  # the post-hooks copied what they do: the layout's own again
         try:
             self._end_forward(error)
         finally:
@@ -388,6 +407,7 @@ class OffloadEngine(ForwardEnds):
                 if cell < len(owner) and owner[cell] is unit:
                     owner[cell] = None
             unit.storage, unit.cells, unit.prefetch_next = None, (), ()
+            self.store.past_end = []  # its entries may name it; the next layout makes them again
             unit.placement = Placement.HOST
             logger.info("unit %s streams nothing now; it is no longer an offload unit", unit.name)
         self.store.units = list(self.units.values())

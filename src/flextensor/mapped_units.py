@@ -16,13 +16,19 @@ compressed or disk packs, no weights still being read from a checkpoint, no pack
 processes. And only embeddings: a weight also read by another kind of module (an LM head tied to the
 embedding) would be read whole over the link at each call. On a CPU the pack is the device memory
 already: the unit's parameters view the pack itself, the same path with nothing to map.
+
+A pipeline's components map by default (``map_embeddings`` left unset; see pipeline_configs.py): then
+only vocabulary-sized tables (``VOCABULARY_ROWS``), of which a call reads a small share, and quietly:
+what is not mapped is logged, not warned about.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -30,9 +36,26 @@ from torch import nn
 from .host_store import UnitPack
 from .units import Unit
 
-__all__ = ["device_view", "mark_mapped_units", "why_not_mapped"]
+__all__ = ["VOCABULARY_ROWS", "device_view", "mapping_by_default", "mark_mapped_units", "why_not_mapped"]
 
 logger = logging.getLogger("flextensor")
+
+VOCABULARY_ROWS = 16384
+"""Rows of the smallest table a default mapping maps: a token vocabulary (UMT5's 256384, CLIP's 49408),
+of which a prompt reads a few hundred rows. A smaller table (positions, classes) may be read whole at
+each call, over the link; resident, it costs nothing per call."""
+
+_BY_DEFAULT: ContextVar[bool] = ContextVar("flextensor_mapping_by_default", default=False)
+
+
+@contextlib.contextmanager
+def mapping_by_default() -> Iterator[None]:
+    """Within: ``map_embeddings`` is on by default, not asked for (see the note)."""
+    token = _BY_DEFAULT.set(True)
+    try:
+        yield
+    finally:
+        _BY_DEFAULT.reset(token)
 
 
 def why_not_mapped(unit: Unit, model: nn.Module) -> str | None:
@@ -57,16 +80,20 @@ def mark_mapped_units(
     """Give the units of ``model`` that can be mapped (``map_embeddings=True``) their device view and
     return their names; logs why those made only of embeddings are not, and warns when none is. At
     offload(), before any layout."""
+    by_default = _BY_DEFAULT.get()
+    level = logging.INFO if by_default else logging.WARNING  # not asked for: nothing to warn about
     candidates = []
     for unit in units:  # made only of embeddings; of them, those whose weights another module reads say why
         holders = [m for m in unit.module.modules() if any(p is not None for p in m._parameters.values())]
         if not holders or not all(isinstance(m, nn.Embedding) for m in holders):
             continue  # (a UMT5 layer's relative attention bias is an embedding in a layer)
+        if by_default and any(m.num_embeddings < VOCABULARY_ROWS for m in holders):
+            continue
         reason = why_not_mapped(unit, model)
         if reason is None:
             candidates.append(unit)
         else:
-            logger.warning("unit %s is not mapped: %s", unit.name, reason)
+            logger.log(level, "unit %s is not mapped: %s", unit.name, reason)
     blocker = (
         "share_host_memory=True (packs in a shared segment)"
         if shared
@@ -78,17 +105,18 @@ def mark_mapped_units(
     )
     if not candidates or blocker is not None:
         why = blocker or "no offload unit is made only of nn.Embedding modules"
-        logger.warning("map_embeddings=True maps nothing: %s", why)
+        if candidates or not by_default:  # a component without a vocabulary is no news
+            logger.log(level, "map_embeddings=True maps nothing: %s", why)
         return []
     mapped = []
     for unit in candidates:
         pack = unit.pack
         if pack is None or pack.disk or pack.coded:
-            logger.warning("unit %s is not mapped: its pack is not held whole in host memory", unit.name)
+            logger.log(level, "unit %s is not mapped: its pack is not held whole in host memory", unit.name)
             continue
         pack.wait_read()  # offload(weights=...): the embedding's read (the largest unit, read first)
         if device.type == "cuda" and not pack.pinned:
-            logger.warning("unit %s is not mapped: its pack is not page-locked (pinned_memory)", unit.name)
+            logger.log(level, "unit %s is not mapped: its pack is not page-locked (pinned_memory)", unit.name)
             continue
         try:
             unit.mapped = device_view(pack, device)

@@ -103,6 +103,9 @@ class DeviceStore:
         # The stream every forward since the layout in place ran on; None once one ran on another (see
         # stream_switch.py).
         self.compute_stream: object = None
+        # The streamed units whose post-hooks copy in the next forward's first units (the ring's wrap): each
+        # with its copies with and without them (see prefetch_past_end).
+        self.past_end: list[tuple[Unit, tuple[Unit, ...], tuple[Unit, ...]]] = []
 
     def hold_in_reserve(self, nbytes: int) -> None:
         """Hold ``nbytes`` of device memory until the next layout, which frees it first and allocates into
@@ -228,11 +231,23 @@ class DeviceStore:
             unit.cells = unit_cells
             unit.placement = Placement.STREAMED
             unit.point_parameters()
+        self.past_end = []
         for position, unit in enumerate(streamed):
             unit.prefetch_next = tuple(streamed[k] for k in layout.prefetch_after[position])
+            within = tuple(streamed[k] for k in layout.prefetch_after[position] if k > position)
+            if within != unit.prefetch_next:  # the ring wraps here: it copies the next forward's first units
+                self.past_end.append((unit, unit.prefetch_next, within))
         self.host.plan_reads(streamed)
         self.counters.layouts += 1
         self._warm_start(streamed)
+
+    def prefetch_past_end(self, allowed: bool) -> None:
+        """Whether the last streamed units' post-hooks copy in the next forward's first units. Off for a
+        forward after which the model gives its memory back (a pipeline's component at the end of its
+        run): those copies would be thrown away, and they hold up the link and the give-back. A forward
+        that follows all the same loads those units when they run."""
+        for unit, ring, within in self.past_end:
+            unit.prefetch_next = ring if allowed else within
 
     def allocate_coded_loads(self, placed: Sequence[Unit], streamed: Sequence[Unit] = ()) -> None:
         """The staging slots and decode stream for the coded loads of the units ``placed`` in the arena,
@@ -270,6 +285,7 @@ class DeviceStore:
         freed here: the peak of a switch is the larger of the two layouts, not their sum.
         """
         kept = {u for u in self.units if u in staying and u.resident and u.storage is not None}
+        self.past_end = []
         for unit in self.units:
             unit.prefetch_next = ()  # a streamed unit's are recomputed for the new layout
             if unit in kept:
@@ -490,6 +506,7 @@ class DeviceStore:
         self.host.free()  # first: the disk readers still read into the packs' files
         # The coded loads' views hold the arena, the slots and every coded pack; packs point back at them.
         self.drop_coded_loads()
+        self.past_end = []
         for unit in self.units:
             unit.storage = None
             unit.cells = ()
