@@ -145,7 +145,8 @@ class PhaseTimer:
     boundary (this timer's first form) changed what it measured: it drained the copies an offloader
     queues ahead of a component's first unit, which the device otherwise overlaps with that unit's
     compute, so they showed as time between phases that a user's run does not spend. The peak memory
-    needs no synchronisation: the caching allocator counts at allocation time, on the host.
+    needs no synchronisation: the caching allocator counts at allocation time, on the host. Each phase
+    resets it, so the timer keeps the peak across phases and the time between them (``take_highest``).
     """
 
     def __init__(self, pipe: Any) -> None:
@@ -156,6 +157,8 @@ class PhaseTimer:
         self._depth = 0
         self._start: Any = 0.0  # a CUDA event on a GPU, else perf_counter's reading (see _mark)
         self._begun: Any = 0.0  # the generation's start, the same way
+        self.highest = 0  # peak allocated bytes since take_highest(), across the per-phase resets
+        self.highest_ever = 0
         self._spans: list[tuple[str, Any, Any]] = []  # (phase, start, end) of this generation
         for phase, component in (
             ("encode", pipe.text_encoder),
@@ -185,8 +188,20 @@ class PhaseTimer:
         self._depth += 1
         if self._depth > 1:
             return
+        self._note_peak(_peak())  # before the reset: what ran since the last phase (a switch, latents)
         self._start = _mark()
         _reset_peak()
+
+    def _note_peak(self, nbytes: int) -> None:
+        self.highest = max(self.highest, nbytes)
+        self.highest_ever = max(self.highest_ever, nbytes)
+
+    def take_highest(self) -> int:
+        """The peak allocated memory since the last call (or since the timer began), phases and the time
+        between them alike: the resets at each phase hide it from ``torch.cuda.max_memory_allocated``."""
+        highest, self.highest = max(self.highest, _peak()), 0
+        self.highest_ever = max(self.highest_ever, highest)
+        return highest
 
     def _exit(self, phase: str) -> None:
         self._depth -= 1
@@ -194,6 +209,7 @@ class PhaseTimer:
             return
         self._spans.append((phase, self._start, _mark()))
         self.peaks[phase] = max(self.peaks.get(phase, 0), _peak())
+        self._note_peak(self.peaks[phase])
         self.calls[phase] = self.calls.get(phase, 0) + 1
 
     def begin_step(self) -> None:

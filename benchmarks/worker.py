@@ -51,6 +51,15 @@ def _rss_now() -> int | None:
     return None
 
 
+def _peak_allocated(timer: Any) -> int:
+    """``max_memory_allocated``, and with a pipeline's phase timer (which resets it at each phase) the
+    peak across those resets since the last call."""
+    import torch
+
+    peak = torch.cuda.max_memory_allocated()
+    return max(peak, timer.take_highest()) if timer is not None else peak
+
+
 def _rss_peak() -> int:
     # ru_maxrss is KiB on Linux (bytes on macOS, which this suite does not target).
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -320,10 +329,11 @@ def _run(args: argparse.Namespace) -> None:
                 rec.save(warmup_forwards=forwards, phase=phase)
                 if steady or forwards >= max_warmup:
                     break
+            timer = getattr(model, "timer", None)  # a pipeline's phase timer (pipeline_workload.py)
             rec.save(
                 steady=steady,
                 warmup_s=round(time.perf_counter() - t_setup, 3),  # from setup start: offload() included
-                gpu_peak_allocated_warmup_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                gpu_peak_allocated_warmup_bytes=_peak_allocated(timer) if cuda else None,
             )
 
             stage = "steps"
@@ -342,7 +352,6 @@ def _run(args: argparse.Namespace) -> None:
                 out = run_step(prep.model, w, inputs)
                 _sync(device)
                 times.append(time.perf_counter() - t)
-                timer = getattr(model, "timer", None)
                 if timer is not None:
                     phases.append(timer.last_step)
                     rec.save(phase_steps=phases)
@@ -354,15 +363,11 @@ def _run(args: argparse.Namespace) -> None:
                     repeatable = repeatable and torch.equal(first, out.detach().cpu())
                 rec.save(step_times_s=[round(x, 6) for x in times])
             median = statistics.median(times)
-            # A pipeline's phase timer resets the peak at each phase: the step's peak is the largest.
-            phase_peaks = [p for step in phases for p in step["phase_peak_allocated_bytes"].values()]
             rec.save(
                 steps=len(times),
                 step_s=round(median, 6),
                 repeatable=repeatable,
-                gpu_peak_allocated_bytes=(
-                    max([torch.cuda.max_memory_allocated(), *phase_peaks]) if cuda else None
-                ),
+                gpu_peak_allocated_bytes=_peak_allocated(timer) if cuda else None,
                 gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
                 gpu_allocated_steady_bytes=torch.cuda.memory_allocated() if cuda else None,
                 host_rss_steady_bytes=_rss_now(),
@@ -417,9 +422,12 @@ def _run(args: argparse.Namespace) -> None:
             complete=True,
         )
     finally:
+        # A pipeline's phase timer resets the peak at each phase and keeps the highest itself.
+        across_phases = getattr(getattr(model, "timer", None), "highest_ever", 0)
+        any_peak = max(torch.cuda.max_memory_allocated(), across_phases) if cuda else None
         rec.save(
             host_rss_peak_bytes=_rss_peak(),
-            gpu_peak_allocated_any_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+            gpu_peak_allocated_any_bytes=any_peak,
         )
 
 

@@ -302,3 +302,43 @@ def test_load_benchmark_records_both_methods(tmp_path: Path) -> None:
     assert record["ours"]["offload_s"] > 0 and record["ours"]["forwards"][-1]["phase_after"] == "inference"
     assert record["native"]["load_s"] > 0 and len(record["native"]["forwards"]) == 2
     assert "GB/s" in run.stdout
+
+
+def test_the_phase_timer_keeps_the_peak_across_its_per_phase_resets(monkeypatch) -> None:
+    """Each phase resets the allocator's peak (to measure its own): the peak reached before a phase, in a
+    switch or between components, is kept by the timer and reported by take_highest()."""
+    from types import SimpleNamespace
+
+    import torch
+    from benchmarks import pipeline_workload
+    from torch import nn
+
+    device = {"peak": 0}
+    monkeypatch.setattr(pipeline_workload, "_peak", lambda: device["peak"])
+    monkeypatch.setattr(pipeline_workload, "_reset_peak", lambda: device.update(peak=0))
+
+    class Allocates(nn.Module):
+        def __init__(self, nbytes: int) -> None:
+            super().__init__()
+            self.nbytes = nbytes
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            device["peak"] = max(device["peak"], self.nbytes)
+            return x
+
+    vae = SimpleNamespace(decode=lambda x: x)
+    parts = {"text_encoder": Allocates(3), "transformer": Allocates(4), "transformer_2": Allocates(2)}
+    pipe = SimpleNamespace(**parts, vae=vae)
+    timer = pipeline_workload.PhaseTimer(pipe)
+    x = torch.zeros(1)
+    timer.begin_step()
+    device["peak"] = 9  # before the first phase (a layout)
+    pipe.text_encoder(x)
+    device["peak"] = 6  # between phases (a switch)
+    pipe.transformer(x)
+    pipe.transformer_2(x)
+    pipe.vae.decode(x)
+    timer.end_step()
+    peaks = timer.last_step["phase_peak_allocated_bytes"]
+    assert peaks == {"encode": 3, "transformer": 4, "transformer_2": 2, "decode": 0}
+    assert timer.take_highest() == 9 and timer.take_highest() == 0 and timer.highest_ever == 9
