@@ -15,7 +15,9 @@ from torch import nn
 
 import flextensor
 from flextensor.api import engine_of
+from flextensor.layout import UNIT_ALIGNMENT
 from flextensor.pipeline_configs import default_unit_patterns
+from flextensor.sizes import align_up
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,6 +92,27 @@ def test_a_mapped_embedding_holds_no_device_memory_and_stays_bitwise() -> None:
     assert torch.equal(hidden(model, ids), expected)
 
 
+def test_learning_reads_a_mapped_embedding_in_place_too() -> None:
+    """Discovery and profiling stream the other units through their arena, sized for the two largest of
+    them: the mapped embedding (six times a layer here) stays in place from offload() on."""
+    model, ids = encoder(), token_ids()
+    expected = hidden(model, ids)
+    offloaded(model)
+    try:
+        engine = engine_of(model)
+        unit = engine.units[EMBEDDING]
+        layer = max(u.nbytes for u in engine.units.values() if u is not unit)
+        arenas = []
+        while flextensor.phase(model) != "inference":
+            assert unit.storage is not None and unit.storage.data_ptr() == unit.pack.buffer.data_ptr()
+            arenas.append(engine.store.arena_bytes())
+            assert torch.equal(hidden(model, ids), expected)
+        assert len(arenas) >= 2 and max(arenas) <= 2 * align_up(layer, UNIT_ALIGNMENT) < unit.nbytes
+        assert unit.uploads == 0
+    finally:
+        flextensor.release(model)
+
+
 def test_the_plans_give_a_mapped_units_room_to_other_units(monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget below what the encoder needs with its embedding on the device (streamed, it takes a
     1 MiB slot and its neighbour's) holds it with the embedding mapped, and every layer resident then."""
@@ -108,9 +131,12 @@ def test_the_plans_give_a_mapped_units_room_to_other_units(monkeypatch: pytest.M
     offloaded(model, gpu_memory_budget="1400KiB")
     try:
         run_until_steady(model, ids, expected)
-        plan = engine_of(model).current.plan
+        engine = engine_of(model)
+        plan = engine.current.plan
         assert plan.streamed == () and len(plan.resident) == 5 and plan.mapped == (EMBEDDING,)
         assert flextensor.status(model).device_bytes_held <= 1400 * 2**10
+        # What keeping more units resident would need (units first seen nested) counts it no more.
+        assert engine._short_to_keep({}) == 0
     finally:
         flextensor.release(model)
 

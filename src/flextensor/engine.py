@@ -146,8 +146,14 @@ class OffloadEngine(ForwardEnds):
         self._enter(Phase.DISCOVERY)
 
     def _lay_out_to_discover(self) -> None:
-        units = list(self.units.values())
-        self._lay_out(units, (), provisional_arena_bytes([u.nbytes for u in units]))
+        self._lay_out_to_learn(list(self.units.values()))
+
+    def _lay_out_to_learn(self, order: list[Unit]) -> None:
+        """Every unit through a provisional arena, but the mapped ones (see mapped_units.py): read in
+        place as in every plan, they take no room and are timed as they will run."""
+        streamed = [u for u in order if u.mapped is None]
+        mapped = [u for u in self.units.values() if u.mapped is not None]
+        self._lay_out(streamed, mapped, provisional_arena_bytes([u.nbytes for u in streamed]))
 
     def _enter(self, phase: Phase) -> None:
         """Change phase and hook exactly the units that need hooks in it: all of them while learning, the

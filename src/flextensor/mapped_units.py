@@ -9,7 +9,9 @@ only of ``nn.Embedding`` modules is instead *mapped*: its pinned host pack stays
 parameters view that memory through the device's address space (``cudaHostGetDevicePointer``), so the
 gather kernel reads the rows it needs over the link. It holds no device bytes and uploads nothing; the
 plans count it as neither resident nor streamed bytes (``Plan.mapped``, a subset of ``Plan.resident``:
-laid out as a resident unit, with no hooks), and the room it leaves goes to other units.
+laid out as a resident unit, with no hooks), and the room it leaves goes to other units. The learning
+layouts hold it in place too (``OffloadEngine._lay_out_to_learn``): their arena is sized for the other
+units, and its compute is timed as it will run, reading host memory.
 
 Only where the pack stays pinned and whole on the host: no host budget (its ring may unpin packs), no
 compressed or disk packs, no weights still being read from a checkpoint, no packs shared between

@@ -69,12 +69,13 @@ class PlanStates:
             ahead: bool = False,
         ) -> None: ...
         def _lay_out_to_discover(self) -> None: ...
+        def _lay_out_to_learn(self, order: list[Unit]) -> None: ...
         def _finish_discovery(self, discovered: DiscoveryResult) -> None: ...
 
     def _lay_out_to_profile(self) -> None:
-        """Stream every unit through a provisional arena; until this succeeds, every forward tries again."""
-        order = self.order or list(self.units.values())
-        self._lay_out(order, (), provisional_arena_bytes([u.nbytes for u in order]))
+        """Stream every unit through a provisional arena (OffloadEngine._lay_out_to_learn); until this
+        succeeds, every forward tries again."""
+        self._lay_out_to_learn(self.order or list(self.units.values()))
         self._enter(Phase.PROFILING)
 
     def _plan_from_samples(self) -> None:
@@ -179,8 +180,8 @@ class PlanStates:
         for entry in self.plans.values():
             measurements = entry.measurements
             after = replace(
-                measurements,
-                units=tuple(u for u in measurements.units if u.name not in kept),
+                measurements,  # mapped units, read in place, are planned as if they were not units
+                units=tuple(u for u in measurements.units if u.name not in kept | self.policy.mapped),
                 baseline_bytes=measurements.baseline_bytes + moved,
             )
             short = max(short, minimal_need_bytes(after)[0] - budget)
