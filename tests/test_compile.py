@@ -22,6 +22,7 @@ from real_models import llama_inputs, tiny_llama, tiny_wan, wan_inputs
 from streaming import streaming_config
 
 pytest.importorskip("torch._inductor")
+import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
 FORWARDS = 5  # discovery, profiling (one or two), then steady state
@@ -335,15 +336,11 @@ def test_a_profiling_forward_in_which_the_compiler_ran_is_left_out(monkeypatch: 
     assert phases == ["profiling", "profiling", "inference"]
 
 
-def test_whole_model_compile_in_bf16_is_bitwise_when_inductor_rounds_as_eager(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@inductor_config.patch(emulate_precision_casts=True)
+def test_whole_model_compile_in_bf16_is_bitwise_when_inductor_rounds_as_eager() -> None:
     """At unit boundaries the ops stop inductor fusing one block's last kernel with the next block's
     first; fused, inductor skips a bf16 rounding unless told to emulate eager's casts. With that flag the
     offloaded model compiled whole is bitwise the natively compiled one (docs/compile.md, Known limits)."""
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
     tokens = llama_inputs()
     case = Case(
         lambda: tiny_llama(layers=3, tie=False, hidden=64).to(torch.bfloat16),

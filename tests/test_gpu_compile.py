@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 from torch import nn
 
 import flextensor
@@ -131,15 +132,11 @@ def test_compiled_offloaded_model_on_cuda_matches_the_natively_compiled_one(mode
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_whole_model_compile_in_bf16_on_cuda_is_bitwise_when_inductor_rounds_as_eager(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@inductor_config.patch(emulate_precision_casts=True)
+def test_whole_model_compile_in_bf16_on_cuda_is_bitwise_when_inductor_rounds_as_eager(mode: str) -> None:
     """The documented way to a bitwise whole-model compile (docs/compile.md, Known limits): with
     ``emulate_precision_casts`` inductor rounds to bf16 where eager does, so the unit boundaries, which stop
     it fusing across blocks, no longer change the bits."""
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
     dim, rows = (GRAPH_DIM, GRAPH_ROWS) if mode == "reduce-overhead" else (1024, 256)
     native = torch.compile(Blocks(dim).to(torch.bfloat16).cuda(), mode=mode)
     with torch.no_grad():
