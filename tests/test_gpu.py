@@ -72,6 +72,34 @@ def test_llama_bitwise_on_cuda_and_pinned_host_store() -> None:
     flextensor.release(model)
 
 
+def _greedy(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    return out.sequences.cpu(), torch.stack(out.logits).cpu()
+
+
+def test_generate_tokens_and_logits_on_cuda_are_native_while_layers_stream() -> None:
+    """HF ``generate()`` (prefill, then decode steps on a growing cache): the greedy tokens and every step's
+    logits are native's, in the learning forwards and in steady state, with decoder layers streamed."""
+    ids = torch.randint(0, 4096, (1, 512), generator=torch.Generator().manual_seed(3)).cuda()
+    native = medium_llama().cuda()
+    expected_tokens, expected_logits = _greedy(native, ids, 48)
+    del native
+    torch.cuda.empty_cache()
+    config = flextensor.OffloadConfig(include_patterns=["model.layers.*"], gpu_memory_budget="200MiB")
+    model = flextensor.offload(medium_llama(), config)
+    for run in range(2):  # the first generate learns (discovery, profiling), the second runs the plan
+        tokens, logits = _greedy(model, ids, 48)
+        assert torch.equal(tokens, expected_tokens), f"generate {run}: tokens differ"
+        assert torch.equal(logits, expected_logits), f"generate {run}: logits differ"
+    assert flextensor.phase(model) == "inference"
+    plan = flextensor.status(model).plan
+    assert plan is not None and len(plan.streamed) >= 4  # the streaming path ran
+    flextensor.release(model)
+
+
 def test_steady_peak_is_well_under_native() -> None:
     x = torch.randn(64, 4096)
     ref, native_peak = _native_reference(lambda: Heavy(layers=16), x)
