@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,16 @@ def test_report_to_dict_and_rendering(streamed_model: torch.nn.Module) -> None:
     out = io.StringIO()
     rep.print(Console(file=out, width=140))
     assert "model.layers.3" in out.getvalue()
+
+
+def test_report_on_cpu_gives_the_memcpy_rate_not_a_share_of_a_link(streamed_model: torch.nn.Module) -> None:
+    """On a CPU device a unit's "copy" is a memcpy within host RAM: the report gives its rate in GB/s and
+    says so, never a percentage of a host-to-device link (such a share read 1527 %)."""
+    rep = flextensor.report(streamed_model)
+    assert rep.device == "cpu" and rep.achieved_gbps is not None and rep.link_gbps is not None
+    (streamed,) = [line for line in str(rep).splitlines() if line.startswith("streamed")]
+    assert "memcpy" in streamed and "%" not in streamed and "link" not in streamed, streamed
+    assert len(re.findall(r"\d (?:GB|MB)/s", streamed)) == 2, streamed  # achieved and probed
 
 
 def test_report_resident_units_say_so() -> None:

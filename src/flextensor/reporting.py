@@ -79,7 +79,9 @@ class Report:
     execution order. Times are milliseconds, sizes bytes, speeds GB/s
     (10^9 bytes per second). ``link_gbps`` is the probed host-to-device speed at ``typical_unit_bytes``
     (the median streamed unit); ``achieved_gbps`` is what this step's copies moved per second of copy
-    time. ``peak_allocated_bytes`` is None on CPU, where device allocations are not counted.
+    time. On a CPU device both are memcpy rates within host RAM (there is no link), and the rendered
+    report gives no share of one. ``peak_allocated_bytes`` is None on CPU, where device allocations are
+    not counted.
     ``host_bytes_held`` is the host memory held for the units' weights when the report is made: the packs
     of the units some plan streams (units resident in every plan keep none, unless the packs are shared
     between processes). A freed pack that tensors still view (a ``state_dict()`` taken earlier) stays
@@ -203,15 +205,7 @@ class Report:
         share = f" ({self.exposed_wait_ms / self.step_ms:.0%} of the step)" if self.step_ms > 0 else ""
         waits = f"exposed waits {self.exposed_wait_ms:.2f} ms{share}"
         grid.add_row("compute", f"{self.compute_ms:.2f} ms in units; {waits}")
-        streamed = f"{format_bytes(self.streamed_bytes)} per step in {self.copies} copies"
-        if self.achieved_gbps is not None:
-            streamed += f", {format_speed(self.achieved_gbps * 1e9)} achieved"
-        if self.link_gbps is not None:
-            link = format_speed(self.link_gbps * 1e9)
-            streamed += f"; link {link} at {format_bytes(self.typical_unit_bytes)}"
-            if self.achieved_gbps is not None and self.link_gbps > 0:
-                streamed += f" ({self.achieved_gbps / self.link_gbps:.0%})"
-        grid.add_row("streamed", streamed)
+        grid.add_row("streamed", self._streamed_text())
         resident = self.device_bytes_held - self.arena_bytes - self.decode_staging_bytes
         staging = (
             f" + staging slots {format_bytes(self.decode_staging_bytes)}" if self.decode_staging_bytes else ""
@@ -251,6 +245,25 @@ class Report:
             )
         grid.add_row("peak", f"{peak}; {budget}")
         return grid
+
+    def _streamed_text(self) -> str:
+        streamed = f"{format_bytes(self.streamed_bytes)} per step in {self.copies} copies"
+        achieved = None if self.achieved_gbps is None else format_speed(self.achieved_gbps * 1e9)
+        probed = None if self.link_gbps is None else format_speed(self.link_gbps * 1e9)
+        at = format_bytes(self.typical_unit_bytes)
+        if self.device.startswith("cpu"):
+            # No link on a CPU: a copy is a memcpy within host RAM, whose rate swings with the caches and
+            # the other processes; a share of the probed one says nothing (it read 1527 %).
+            rates = [f"{achieved} achieved"] if achieved else []
+            rates += [f"{probed} probed at {at}"] if probed else []
+            return f"{streamed}, a memcpy in host RAM on cpu" + (f": {', '.join(rates)}" if rates else "")
+        if achieved is not None:
+            streamed += f", {achieved} achieved"
+        if probed is not None and self.link_gbps is not None:
+            streamed += f"; link {probed} at {at}"
+            if self.achieved_gbps is not None and self.link_gbps > 0:
+                streamed += f" ({self.achieved_gbps / self.link_gbps:.0%})"
+        return streamed
 
 
 def format_speed(bytes_per_s: float) -> str:
