@@ -96,6 +96,27 @@ def test_meta_llama_from_each_layout_is_bitwise(layout: str, saved, llama) -> No
     assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
 
 
+def test_meta_llama_built_in_the_checkpoints_dtype_matches_from_pretrained_bitwise(tmp_path: Path) -> None:
+    """docs/loading.md's recipe for a bfloat16 checkpoint: from_config(config, dtype=) on the meta device
+    keeps the rotary table float32, as from_pretrained(dtype=) does, and every logit is the same;
+    model.to(bfloat16) would cast the table too (and its logits differ)."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama().to(torch.bfloat16).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = first_tensor(reference(llama_inputs()))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(reference.config, dtype=torch.bfloat16).eval()
+    model = flextensor.offload(model, streaming_config(model, ["model.layers.*"]), weights=tmp_path)
+    assert_all_equal(run_forwards(model, llama_inputs(), LEARN + 1), expected)
+    assert all(u.placement == "streamed" for u in flextensor.status(model).units)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    with torch.device("meta"):
+        cast = AutoModelForCausalLM.from_config(reference.config).to(torch.bfloat16)
+    assert cast.model.rotary_emb.inv_freq.dtype == torch.bfloat16  # why the docs do not cast
+
+
 @pytest.mark.parametrize("layout", ["wan", "wan_sharded", "wan_file"])
 def test_meta_wan_from_each_layout_is_bitwise(layout: str, saved, wan) -> None:
     reference, expected = wan
@@ -151,7 +172,12 @@ BAD = {
     ),
     "dtype": (
         lambda s: s.update({k: v.to(torch.bfloat16) for k, v in s.items()}),
-        ["mismatched", "torch.bfloat16", "model.to(torch.bfloat16)"],
+        [
+            "mismatched",
+            "torch.bfloat16",
+            "from_config(config, dtype=torch.bfloat16)",
+            "model.to(torch.bfloat16)",
+        ],
     ),
 }
 

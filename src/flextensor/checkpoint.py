@@ -141,9 +141,12 @@ def _mismatch_message(
     if mismatched and not missing and not unexpected:
         dtypes = {s.split("checkpoint ")[1].split(" ")[0] for s in mismatched}
         if len(dtypes) == 1:
+            dtype = dtypes.pop()
+            # Not model.to(dtype) for transformers: it casts the float32 rotary tables from_pretrained keeps.
             fix = (
-                "build the model in the checkpoint's dtype "
-                f"(on the meta device this is free: model.to({dtypes.pop()}))"
+                "build the model in the checkpoint's dtype as its from_pretrained does (on the meta device "
+                f"this is free): a transformers model with from_config(config, dtype={dtype}), a diffusers "
+                f"one with model.to({dtype})"
             )
     return (
         f"the checkpoint {checkpoint.path} does not match {type(model).__name__}: {' | '.join(parts)}; "
