@@ -9,6 +9,9 @@ its ControlNet side by side, then the Wan VAE's decode: four components under on
 docs/pipelines.md). ``--controls`` is a video of pre-computed control maps (edges for the default edge
 ControlNet); without it a synthetic one is made.
 
+diffusers' Cosmos models need torchvision, built for the installed torch: ``pip install -e '.[cosmos]'``
+after installing the pair (see :func:`require_torchvision`).
+
 diffusers requires NVIDIA's guardrail (``pip install cosmos_guardrail``) for the real model, and it is
 used with ``--model-id``. Its models cannot be built from configs, so ``--random-weights`` runs without
 it: random weights generate noise, which there is nothing to check in (see :class:`NoGuardrail`).
@@ -43,6 +46,30 @@ class NoGuardrail:
 
     def check_video_safety(self, video: np.ndarray) -> np.ndarray:
         return video
+
+
+def require_torchvision() -> None:
+    """diffusers' Cosmos models resize their padding mask with torchvision; without it they fail deep
+    inside diffusers with a NameError. Checked before anything is built or loaded."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # a wheel built for another torch fails with more than ImportError
+        raise SystemExit(torchvision_advice(error)) from None
+
+
+def torchvision_advice(error: BaseException) -> str:
+    version = torch.__version__.split("+")[0]
+    major, minor = (int(part) for part in version.split(".")[:2])
+    pair = f" (torchvision 0.{minor + 15}.* for torch {major}.{minor})" if major == 2 else ""
+    return (
+        f"cosmos needs torchvision (diffusers' Cosmos models resize their padding mask with it), and it does "
+        f"not import here: {error}\n"
+        f"Install the torchvision release built for your torch {torch.__version__}{pair}, from the same "
+        "package index as that torch (PyPI's torchvision does not load beside a CPU-only torch), or both as "
+        "PyPI's pair (CUDA builds, several GB), e.g. pip install torch==2.14.1 torchvision==0.29.1; "
+        "then pip install -e '.[cosmos]'. "
+        "An unpinned torchvision would bring the torch it was built for in place of yours."
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +185,7 @@ EXAMPLE = Example(
     defaults={"steps": 36, "frames": 93, "height": 704, "width": 1280, "fps": 30},
     tiny_defaults={"steps": 2, "frames": 3, "height": 32, "width": 32, "fps": 8},
     add_arguments=add_arguments,
+    check_requirements=require_torchvision,
 )
 
 if __name__ == "__main__":

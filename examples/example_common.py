@@ -54,6 +54,9 @@ class Example:
     """The same for ``--tiny``."""
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
     """Options of this example only."""
+    check_requirements: Callable[[], None] | None = None
+    """What it needs beyond ``.[examples]``, checked before anything is built: SystemExit saying what to
+    install."""
 
 
 def parse_args(example: Example, argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,6 +107,8 @@ def parse_args(example: Example, argv: list[str] | None = None) -> argparse.Name
 
 def main(example: Example, argv: list[str] | None = None) -> int:
     args = parse_args(example, argv)
+    if example.check_requirements is not None:
+        example.check_requirements()
     pipe = example.build_tiny(args) if args.tiny else example.load(args)
     for module in modules(pipe).values():
         module.eval()  # built from configs, they start in training mode (dropout on)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,35 @@ def test_example_refuses_random_weights_without_tiny(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as exit_info:
         main(importlib.import_module("wan2_2_t2v").EXAMPLE, ["--random-weights"])
     assert exit_info.value.code == 2 and "add --tiny" in capsys.readouterr().err
+
+
+def test_the_examples_extra_leaves_an_installed_torch_alone() -> None:
+    """An unpinned torchvision in ``.[examples]`` pulled the torch it was built for (a CUDA build of 5 GB)
+    over the installed one: Cosmos's torchvision is an extra of its own, installed as a pair with torch."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {
+        re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower() for requirement in extras["examples"]
+    }
+    assert not names & {"torch", "torchvision", "torchaudio"}, extras["examples"]
+    assert "torchvision" in extras["cosmos"] and "flextensor[examples]" in extras["cosmos"]
+
+
+def test_cosmos_without_torchvision_says_what_it_needs() -> None:
+    """diffusers' Cosmos models die of a NameError deep inside diffusers without torchvision: the example
+    checks first, before anything is built, and says what to install."""
+    code = (
+        "import sys; sys.modules['torchvision'] = None; sys.path.insert(0, sys.argv[1]); import cosmos; "
+        "argv = ['--random-weights', '--tiny', '--device', 'cpu', '--output', '-']; "
+        "sys.exit(cosmos.main(cosmos.EXAMPLE, argv))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(EXAMPLES)],
+        env=example_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "cosmos needs torchvision" in done.stderr and "NameError" not in done.stderr, done.stderr[-4000:]
+    assert "pip install" in done.stderr and ".[cosmos]" in done.stderr, done.stderr[-4000:]
+    assert "cosmos:" not in done.stdout  # nothing was built or loaded
