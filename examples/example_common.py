@@ -5,13 +5,14 @@ Each example (wan2_2_t2v.py, ltx2.py, cosmos.py) supplies three things: how to l
 the hub cache (``--model-id``), how to build a tiny one from local configs (``--random-weights --tiny``)
 and the keyword arguments of one generation. :func:`main` does the rest:
 
-1. with ``--compare-native`` and when the weights fit the device, one generation without flextensor
-   (its time, its peak memory, its frames);
-2. ``flextensor.offload(pipe, ...)`` under ``--budget``; with ``--profile`` a saved profile starts every
+1. ``flextensor.offload(pipe, ...)`` under ``--budget``; with ``--profile`` a saved profile starts every
    component in steady state, and one is written there after the run when none existed;
-3. warm-up generations until every component is steady (each learns its plan in its first calls; none
+2. warm-up generations until every component is steady (each learns its plan in its first calls; none
    with a saved profile), then ``--runs`` timed generations, with the peak memory of each;
-4. the frames written to ``--output`` (an mp4), and a check that they equal native's bit for bit.
+3. the frames written to ``--output`` (an mp4);
+4. with ``--compare-native`` and when the weights fit the device, the pipeline released and run without
+   flextensor the same way: as many warm-up generations, then ``--runs`` timed ones; the median times
+   compared, and a check that the frames equal native's bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import gc
 import os
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -116,17 +118,30 @@ def main(example: Example, argv: list[str] | None = None) -> int:
     weights = sum(p.numel() * p.element_size() for m in modules(pipe).values() for p in m.parameters())
     print(f"{example.name}: {type(pipe).__name__}, {gib(weights)} of weights, device {args.device}")
 
-    native = None
-    if args.compare_native:
-        if fits_natively(weights, args.device):
-            pipe.to(args.device)
-            native = timed_generation(example, pipe, args, "native")
-            pipe.to("cpu")
-            gc.collect()
-            empty_cache(args.device)
-        else:
-            print(f"native: skipped, {gib(weights)} of weights do not fit the device")
+    warmups, ours = offloaded_generations(example, pipe, args)
+    if args.output != "-":
+        write_video(ours[-1].frames, args.output, args.fps)
+        print(f"wrote {args.output} ({len(ours[-1].frames)} frames)")
+    if not args.compare_native:
+        flextensor.release(pipe)
+        return 0
+    native = native_generations(example, pipe, args, warmups, weights)
+    if native is None:
+        return 0
+    same = np.array_equal(native[-1].frames, ours[-1].frames)
+    native_s, ours_s = (statistics.median(g.seconds for g in runs) for runs in (native, ours))
+    print(f"time: native {native_s:.2f} s, flextensor {ours_s:.2f} s ({ours_s / native_s:.2f}x), median of "
+          f"{args.runs} timed generation(s) after {warmups} untimed one(s), each")  # fmt: skip
+    print(f"peak on the device: native {device_text(native)}, flextensor {device_text(ours)}")
+    print(f"outputs match native: {'bitwise' if same else 'NO'}")
+    return 0 if same else 1
 
+
+def offloaded_generations(
+    example: Example, pipe: Any, args: argparse.Namespace
+) -> tuple[int, list[Generation]]:
+    """Offload ``pipe``, run warm-ups until every component is steady, then ``--runs`` timed generations;
+    returns how many warm-ups ran and the timed generations. The pipe stays offloaded."""
     config = flextensor.OffloadConfig(device=args.device, gpu_memory_budget=args.budget)
     saved = args.profile is not None and os.path.exists(args.profile)
     if saved:
@@ -140,29 +155,35 @@ def main(example: Example, argv: list[str] | None = None) -> int:
     learning = [n for n, m in modules(pipe).items() if flextensor.phase(m) != "inference"]
     if learning:  # a component the pipeline never calls never leaves discovery
         print(f"still learning after {warmups} warm-ups: {', '.join(learning)}")
-    ours = None
-    for run in range(args.runs):
-        ours = timed_generation(example, pipe, args, f"flextensor run {run + 1} ({flextensor.phase(pipe)})")
-    assert ours is not None
+    ours = [
+        timed_generation(example, pipe, args, f"flextensor run {run + 1} ({flextensor.phase(pipe)})")
+        for run in range(args.runs)
+    ]
     if args.profile is not None and not saved and flextensor.phase(pipe) == "inference":
         flextensor.save_profile(pipe, args.profile)
         print(f"profile saved to {args.profile}")
-
     calls = {name: flextensor.status(m).forwards for name, m in modules(pipe).items()}
     print("calls per component over the runs: " + ", ".join(f"{n} {c}" for n, c in calls.items()))
-    if args.output != "-":
-        write_video(ours.frames, args.output, args.fps)
-        print(f"wrote {args.output} ({len(ours.frames)} frames)")
-    if native is not None:
-        same = np.array_equal(native.frames, ours.frames)
-        print(f"time: native {native.seconds:.2f} s, flextensor {ours.seconds:.2f} s "
-              f"({ours.seconds / native.seconds:.2f}x)")  # fmt: skip
-        print(f"peak: native {memory_text(native)}, flextensor {memory_text(ours)}")
-        print(f"outputs match native: {'bitwise' if same else 'NO'}")
-        if not same:
-            return 1
-    flextensor.release(pipe)
-    return 0
+    return warmups, ours
+
+
+def native_generations(
+    example: Example, pipe: Any, args: argparse.Namespace, warmups: int, weights: int
+) -> list[Generation] | None:
+    """Release ``pipe`` and run it without flextensor, warmed up as the offloaded runs were: ``warmups``
+    generations, then ``--runs`` timed ones (a first generation pays one-off costs, first kernel launches
+    and the allocator's growth, that a cold native run against warm offloaded ones would charge to native
+    alone). None when the weights do not fit the device."""
+    flextensor.release(pipe, "cpu")
+    gc.collect()
+    empty_cache(args.device)
+    if not fits_natively(weights, args.device):
+        print(f"native: skipped, {gib(weights)} of weights do not fit the device")
+        return None
+    pipe.to(args.device)
+    for warmup in range(warmups):
+        timed_generation(example, pipe, args, f"native warm-up {warmup + 1}")
+    return [timed_generation(example, pipe, args, f"native run {run + 1}") for run in range(args.runs)]
 
 
 def modules(pipe: Any) -> dict[str, torch.nn.Module]:
@@ -237,6 +258,11 @@ def host_rss_peak() -> int:
 
 def gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB" if nbytes >= 2**26 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def device_text(runs: list[Generation]) -> str:
+    peaks = [g.device_peak_bytes for g in runs if g.device_peak_bytes is not None]
+    return gib(max(peaks)) if peaks else "n/a on CPU"
 
 
 def memory_text(result: Generation) -> str:

@@ -12,9 +12,12 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+import flextensor
 from flextensor.host_store import pack_layout
 from flextensor.layout import minimal_arena_bytes
 from flextensor.pipeline_configs import default_unit_patterns
@@ -165,3 +168,87 @@ def test_cosmos_without_torchvision_says_what_it_needs() -> None:
     assert "cosmos needs torchvision" in done.stderr and "NameError" not in done.stderr, done.stderr[-4000:]
     assert "pip install" in done.stderr and ".[cosmos]" in done.stderr, done.stderr[-4000:]
     assert "cosmos:" not in done.stdout  # nothing was built or loaded
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+class _CountingPipe:
+    """A stand-in pipeline of one component: it counts the generations it runs without flextensor."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.net = _Blocks()
+        self.native_calls = 0
+
+    @property
+    def components(self) -> dict[str, torch.nn.Module]:
+        return {"net": self.net}
+
+    def set_progress_bar_config(self, **kwargs: object) -> None:
+        pass
+
+    def to(self, device: str) -> _CountingPipe:
+        self.net.to(device)
+        return self
+
+    def __call__(self, x: torch.Tensor) -> SimpleNamespace:
+        try:
+            flextensor.status(self.net)
+        except flextensor.NotOffloadedError:
+            self.native_calls += 1
+        return SimpleNamespace(frames=[self.net(x).numpy()])
+
+
+def test_compare_native_warms_native_up_as_flextensor_was(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``--compare-native`` timed one cold native generation against warmed-up offloaded ones (ratios like
+    0.10x): native now runs the same number of warm-ups first, then as many timed generations."""
+    import example_common
+
+    pipe = _CountingPipe()
+    example = example_common.Example(
+        name="counting",
+        description="a stand-in pipeline",
+        load=lambda args: pipe,
+        build_tiny=lambda args: pipe,
+        call_kwargs=lambda pipe, args: {"x": torch.ones(2, 8)},
+        defaults={},
+        tiny_defaults={"steps": 1, "frames": 1, "height": 8, "width": 8, "fps": 1},
+    )
+    timed: list[tuple[str, int]] = []  # each timed generation's label, and native generations before it
+    real = example_common.timed_generation
+
+    def counting(example, pipe, args, label):
+        timed.append((label, pipe.native_calls))
+        return real(example, pipe, args, label)
+
+    monkeypatch.setattr(example_common, "timed_generation", counting)
+    argv = [
+        "--random-weights",
+        "--tiny",
+        "--device",
+        "cpu",
+        "--compare-native",
+        "--runs",
+        "2",
+        "--output",
+        "-",
+    ]
+    assert example_common.main(example, argv) == 0
+    assert "outputs match native: bitwise" in capsys.readouterr().out
+    warmups = sum(label.startswith("flextensor warm-up") for label, _ in timed)
+    assert warmups >= 1  # the component learned its plan in its first generations
+    native = [(label, before) for label, before in timed if label.startswith("native")]
+    assert [label for label, _ in native if "warm-up" in label] == [
+        f"native warm-up {i + 1}" for i in range(warmups)
+    ]
+    assert [before for label, before in native if "warm-up" not in label] == [warmups, warmups + 1]
+    assert pipe.native_calls == warmups + 2
