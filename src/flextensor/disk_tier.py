@@ -19,7 +19,8 @@ next READ_AHEAD disk units of the planned order (cyclic: the next step's first o
 in READ_CHUNK pieces read in parallel, into pageable buffers while the model runs; a disk unit's copy
 then waits for its read (already done when the compute between two disk units is longer than a read) and
 goes through the ring from that buffer, a memcpy. Each layout gives the reader the new order. The file
-never changes while the model is offloaded, so a read done early is never stale.
+must not change while the model is offloaded (see [Note: checkpoint changed under the model]), so a read
+done early is never stale.
 
 The buffers count against the host budget: each holds the largest disk unit, taken from the budget
 before any unit keeps a host pack (:func:`plan_disk_tier`). Overlapping the reads with compute saves up to
@@ -34,6 +35,17 @@ the checkpoint through a private copy-on-write mapping (reading pages on demand,
 anonymous memory), so ``state_dict()``, ``release()`` and reads outside a forward see the checkpoint's
 values; a unit made resident is uploaded from a read of the file. ``flextensor.editing`` refuses a model
 with disk units: the file is the only copy of their weights, and writing into it is not ours to do.
+
+[Note: checkpoint changed under the model]
+The file is the only copy of the disk units' weights, so it must not change while the model is offloaded.
+Nothing stops a user from saving over it, though: a write in place of the same size would stream other
+weights without a sign, and a truncation makes a mapped view's pages vanish (reading one is SIGBUS, which
+kills the process). So every forward starts with one ``fstat`` per checkpoint file (size and modification
+time against those at offload(); ``CheckpointFiles.check_unchanged``), and so does every view of a disk
+unit's weights (``state_dict()``, ``release()``, a unit made resident), before any of its pages is read:
+a change is a CheckpointError, never another model's output or a crash. A change made while a forward
+runs is seen by the next one (the reads themselves see a truncation at once: a read past the end is a
+CheckpointError too); views handed out before the change (an earlier ``state_dict()``) are the caller's.
 """
 
 from __future__ import annotations
@@ -118,21 +130,52 @@ def choose_disk_units(nbytes: Sequence[int], budget_bytes: int | None) -> frozen
 
 class CheckpointFiles:
     """The checkpoint's files, open for reading and mapped copy-on-write, shared by the disk packs; closed
-    when the last pack and the last tensor viewing a mapping are gone."""
+    when the last pack and the last tensor viewing a mapping are gone.
+
+    The files must stay as they were (see [Note: checkpoint changed under the model]): each file's size
+    and modification time when opened are kept, and :meth:`check_unchanged` compares them."""
 
     def __init__(self, files: Sequence[Path]) -> None:
         self.fds: dict[Path, int] = {}
         self.maps: dict[Path, mmap.mmap] = {}
+        self._stats: dict[Path, tuple[int, int]] = {}
         try:
             for file in files:
                 fd = os.open(file, os.O_RDONLY)
                 self.fds[file] = fd
-                if os.fstat(fd).st_size:
+                self._stats[file] = _identity(os.fstat(fd))
+                if self._stats[file][0]:
                     self.maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         except BaseException:
             _close(dict(self.fds))
             raise
         weakref.finalize(self, _close, dict(self.fds))
+
+    def check_unchanged(self) -> None:
+        """CheckpointError if a file was written, truncated or extended since it was opened: one ``fstat``
+        per file (the open file itself, so a file replaced by a rename is still the one read)."""
+        for file, fd in self.fds.items():
+            now = _identity(os.fstat(fd))
+            if now != self._stats[file]:
+                raise _changed(file, self._stats[file], now)
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _changed(file: Path, before: tuple[int, int], now: tuple[int, int]) -> CheckpointError:
+    what = (
+        f"its size went from {before[0]} to {now[0]} bytes"
+        if now[0] != before[0]
+        else "written to: its modification time changed"
+    )
+    return CheckpointError(
+        f"the checkpoint file {file} changed after offload() ({what}), while units of this model stream "
+        "from it: their weights are no longer the ones offloaded. A checkpoint must stay unchanged while a "
+        "model streams from it; build the model again and offload it from the file as it is now (or save "
+        "new weights under another name), or raise host_memory_budget so that no unit stays on disk"
+    )
 
 
 def _close(fds: dict[Path, int]) -> None:
@@ -203,6 +246,7 @@ class DiskPack(UnitPack):
         if entry.numel == 0:
             return torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
         assert self.files is not None, f"the disk pack of unit {self.unit!r} was freed"
+        self.files.check_unchanged()  # a truncated file's pages would be SIGBUS when read
         source = self._source_at[entry.offset]
         flat = torch.frombuffer(
             self.files.maps[source.file], dtype=entry.dtype, count=entry.numel, offset=source.start

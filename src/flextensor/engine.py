@@ -254,6 +254,7 @@ class OffloadEngine(ForwardEnds):
                 "offload() or after flextensor.release(model)"
             )
         refuse_forward_over_edits(self)
+        self.store.host.check_disk_files()
         if self.store.keep_packs:  # a pipeline component: its switches are ordered by streams
             note_forward_stream(self.store)
         if self.before_step is not None:

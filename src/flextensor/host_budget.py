@@ -28,7 +28,7 @@ import torch
 
 from .bandwidth import probe_link
 from .device import DeviceRuntime, Target
-from .disk_tier import DiskReadAhead, plan_disk_tier
+from .disk_tier import CheckpointFiles, DiskReadAhead, plan_disk_tier
 from .errors import ConfigError, HostBudgetError, PinningError
 from .measurements import LinkModel
 from .sizes import format_bytes
@@ -87,6 +87,7 @@ class HostBudget:
         self.pin = pin
         self.ring: StagingRing | None = None
         self.read_ahead: DiskReadAhead | None = None  # reads disk units ahead of their copies (disk_tier.py)
+        self.disk_files: CheckpointFiles | None = None  # the disk units' checkpoint, checked at every forward
 
     @property
     def capacity(self) -> int | None:
@@ -125,6 +126,7 @@ class HostBudget:
         if on_disk:
             _, buffer_bytes = plan_disk_tier([u.nbytes for u in units], self.budget_bytes)  # as at reading
             self.read_ahead = DiskReadAhead(buffer_bytes)
+            self.disk_files = on_disk[0].pack.files  # type: ignore[union-attr]  # one checkpoint for all
             for unit in on_disk:
                 unit.pack.read_ahead = self.read_ahead  # type: ignore[union-attr]
         room = self.budget_bytes - ring_bytes - self.read_ahead_bytes
@@ -250,7 +252,14 @@ class HostBudget:
             order = [u.pack for u in streamed if u.pack is not None and u.pack.disk and u.staging is not None]
             self.read_ahead.plan(order)  # type: ignore[arg-type]
 
+    def check_disk_files(self) -> None:
+        """Once per forward: CheckpointError if the checkpoint the disk units stream from changed (see
+        [Note: checkpoint changed under the model] in disk_tier.py); nothing without disk units."""
+        if self.disk_files is not None:
+            self.disk_files.check_unchanged()
+
     def free(self) -> None:
+        self.disk_files = None
         if self.read_ahead is not None:
             self.read_ahead.close()
             self.read_ahead = None
