@@ -7,6 +7,8 @@ A path given to ``offload(..., weights=PATH)`` is one of:
 - a folder holding one of those in the layouts transformers and diffusers write: ``model.safetensors``
   or ``model.safetensors.index.json`` (transformers), ``diffusion_pytorch_model.safetensors`` or
   ``diffusion_pytorch_model.safetensors.index.json`` (diffusers), or any single ``*.safetensors`` file.
+  When both of a library's names are there, the one its ``from_pretrained`` reads is read, with a
+  warning: the file for transformers, the index for diffusers.
 
 The safetensors format: 8 bytes of little-endian header length, a JSON header mapping each tensor name to
 its ``dtype``, ``shape`` and ``data_offsets`` (begin, end, relative to the end of the header), then the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import os
 import struct
@@ -31,6 +34,8 @@ import torch
 from .errors import CheckpointError
 
 __all__ = ["Checkpoint", "CheckpointTensor", "open_checkpoint"]
+
+logger = logging.getLogger("flextensor")
 
 MAX_HEADER_BYTES = 100 * 2**20
 """The largest JSON header accepted (the safetensors library's own limit): a bigger length field means a
@@ -54,9 +59,15 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 
-# Names the libraries give a checkpoint in a model's folder, most specific first.
-_INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
-_FILE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+# The names the libraries give a checkpoint in a model's folder, in the order their from_pretrained looks
+# for them: transformers takes model.safetensors before the index (a sharded save followed by a whole one
+# into the same folder leaves the index, whose shards it removed), diffusers takes the index first.
+_FOLDER_NAMES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors",
+)
 
 
 @dataclass(frozen=True)
@@ -116,12 +127,9 @@ def checkpoint_files(path: Path) -> tuple[Path, ...]:
                 "flextensor reads safetensors checkpoints only: convert it with safetensors.torch.save_file"
             )
         return (path,)
-    for name in _INDEX_NAMES:
-        if (path / name).is_file():
-            return _shards_of(path / name)
-    for name in _FILE_NAMES:
-        if (path / name).is_file():
-            return (path / name,)
+    standard = [name for name in _FOLDER_NAMES if (path / name).is_file()]
+    if standard:
+        return _standard_checkpoint(path, standard)
     indexes = sorted(p.name for p in path.glob("*.safetensors.index.json"))
     files = sorted(p.name for p in path.glob("*.safetensors"))
     if len(indexes) == 1:
@@ -136,26 +144,68 @@ def checkpoint_files(path: Path) -> tuple[Path, ...]:
         )
     raise CheckpointError(
         f"folder {str(path)!r} holds several checkpoints ({', '.join(found[:6])}) and none under the "
-        f"standard names ({', '.join(_INDEX_NAMES + _FILE_NAMES)}); pass the one to load as weights="
+        f"standard names ({', '.join(_FOLDER_NAMES)}); pass the one to load as weights="
     )
 
 
+def _standard_checkpoint(folder: Path, names: list[str]) -> tuple[Path, ...]:
+    """The checkpoint of ``folder`` that its library's from_pretrained loads: the first of ``names`` (in
+    _FOLDER_NAMES order), with a warning when its library's other name is there too."""
+    chosen = names[0]
+    library = "transformers" if chosen.startswith("model.") else "diffusers"
+    other = next((n for n in names[1:] if n.startswith(chosen.split(".")[0] + ".")), None)
+    if other is not None:
+        logger.warning(
+            "%s holds both %s and %s; reading %s, as %s' from_pretrained does (the other may be left from "
+            "an earlier save: remove it, or pass the file to load as weights=)",
+            folder,
+            chosen,
+            other,
+            chosen,
+            library,
+        )
+    if chosen.endswith(".index.json"):
+        return _shards_of(folder / chosen)
+    return (folder / chosen,)
+
+
 def _shards_of(index: Path) -> tuple[Path, ...]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CheckpointError(
-            f"index {str(index)!r} is not a safetensors index (a JSON object with a 'weight_map' from "
-            f"tensor names to shard files): {error}"
-        ) from error
+    names = sorted(set(_weight_map(index).values()))
     missing = [name for name in names if not (index.parent / name).is_file()]
     if missing:
+        whole = index.parent / index.name.removesuffix(".index.json")
+        hint = (
+            f" (or, if the index is left from an earlier sharded save, pass {str(whole)!r} as weights=)"
+            if whole.is_file()
+            else ""
+        )
         raise CheckpointError(
             f"index {str(index)!r} names shard(s) that are not there: {', '.join(missing[:6])}; "
-            "the download is incomplete"
+            f"the download is incomplete: download it again{hint}"
         )
     return tuple(index.parent / name for name in names)
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index (tensor name -> shard file name), checked."""
+    what = "a JSON object with a 'weight_map' object from tensor names to shard file names"
+    try:
+        raw = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise CheckpointError(f"index {str(index)!r} is not a safetensors index ({what}): {error}") from error
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"index {str(index)!r} is not a safetensors index ({what}): it has no 'weight_map' object"
+        )
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(
+                f"index {str(index)!r} is not a safetensors index ({what}): its 'weight_map' maps "
+                f"{name!r} to {shard!r}, not to a shard's file name; save the checkpoint again or "
+                "re-download it"
+            )
+    return weight_map
 
 
 def read_header(file: Path) -> list[CheckpointTensor]:
