@@ -114,6 +114,7 @@ def offload(
         checkpoint = plan_checkpoint_load(model, weights)
     with Packing(model, selection, target, checkpoint) as packing:
         units = packing.pack_units(config)
+        selection = packing.selection  # made again if the checkpoint untied tied weights
         packing.move_resident_to(target.device)
         resident = {name: "not selected for offloading" for name in selection.resident_parameters}
         resident.update(selection.resident_reasons)

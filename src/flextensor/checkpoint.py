@@ -23,11 +23,12 @@ fails raises a CheckpointError at every access to that unit's weights (the forwa
 
 [Note: what a meta model must provide]
 Every parameter and persistent buffer comes from the checkpoint (tied aliases need one of their names
-there, as transformers saves them). Non-persistent buffers (rotary tables) are not in checkpoints: a real
-one is kept; one on the meta device is computed again by building the model's class once more from its
-``config`` (transformers and diffusers models have one) with parameters on the meta device and buffers
-real, which is what ``from_pretrained`` computes them with. A meta buffer nothing can fill is an error that
-says to build the model with buffers real (``accelerate.init_empty_weights(include_buffers=False)``).
+there, as transformers saves them; both there with different values untie them, see checkpoint_ties.py).
+Non-persistent buffers (rotary tables) are not in checkpoints: a real one is kept; one on the meta device
+is computed again by building the model's class once more from its ``config`` (transformers and diffusers
+models have one) with parameters on the meta device and buffers real, which is what ``from_pretrained``
+computes them with. A meta buffer nothing can fill is an error that says to build the model with
+buffers real (``accelerate.init_empty_weights(include_buffers=False)``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 from .checkpoint_files import Checkpoint, CheckpointTensor, open_checkpoint
+from .checkpoint_ties import untied_names
 from .errors import CheckpointError, PinningError
 from .host_store import PackedParameter, UnitPack, pack_layout
 from .staged_units import pack_bytes
@@ -74,12 +76,15 @@ class CheckpointLoad:
 
     ``sources``: id of each model parameter and persistent buffer -> where its bytes are. ``computed``: id of
     each meta non-persistent buffer -> its value, computed again (see [Note: what a meta model must provide]).
+    ``untied``: names of tied weights the checkpoint holds with values of their own, and where (packing gives
+    each a parameter of its own and adds it to ``sources``; see checkpoint_ties.py). ``nbytes`` counts them.
     """
 
     path: Path
     sources: dict[int, CheckpointTensor]
     computed: dict[int, torch.Tensor]
     nbytes: int
+    untied: tuple[tuple[str, CheckpointTensor], ...] = ()
 
     def source_of(self, tensor: torch.Tensor) -> CheckpointTensor:
         return self.sources[id(tensor)]
@@ -88,32 +93,43 @@ class CheckpointLoad:
 def plan_checkpoint_load(model: nn.Module, weights: str | os.PathLike[str]) -> CheckpointLoad:
     """Match ``model``'s tensors to the checkpoint at ``weights``; CheckpointError naming every missing,
     unexpected, mis-shaped or mis-typed tensor, and every meta buffer nothing can fill. Reads headers
-    only and changes nothing."""
+    (and the bytes of a tied weight held under several names, see checkpoint_ties.py); changes nothing."""
     checkpoint = open_checkpoint(weights)
     state = model.state_dict(keep_vars=True)  # every persistent name, tied aliases included
     groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, tensor in state.items():
         groups.setdefault(id(tensor), (tensor, []))[1].append(name)
     missing: list[str] = []
-    mismatched: list[str] = []
+    shapes: list[str] = []  # tensors of another shape (their dtypes named too when those differ as well)
+    dtypes: list[tuple[str, torch.dtype]] = []  # tensors of the model's shape in another dtype
     sources: dict[int, CheckpointTensor] = {}
+    held_twice: list[tuple[list[str], list[CheckpointTensor]]] = []  # tied names the checkpoint holds twice
     for key, (tensor, names) in groups.items():
         present = [checkpoint.tensors[n] for n in names if n in checkpoint.tensors]
         if not present:
             missing.append(" = ".join(names))
             continue
+        if len(present) > 1:
+            held_twice.append((names, present))
         for source in present:
-            if tuple(tensor.shape) != source.shape or tensor.dtype != source.dtype:
-                mismatched.append(
-                    f"{source.name}: checkpoint {source.dtype} {list(source.shape)}, "
-                    f"model {tensor.dtype} {list(tensor.shape)}"
+            if tuple(tensor.shape) != source.shape:
+                both = source.dtype != tensor.dtype
+                shapes.append(
+                    f"{source.name}: checkpoint {_described(source.dtype, source.shape, both)}, "
+                    f"model {_described(tensor.dtype, tuple(tensor.shape), both)}"
+                )
+            elif tensor.dtype != source.dtype:
+                dtypes.append(
+                    (f"{source.name}: checkpoint {source.dtype}, model {tensor.dtype}", source.dtype)
                 )
         sources[key] = present[0]
     unexpected = _not_ignored(model, [name for name in checkpoint.tensors if name not in state])
-    if missing or unexpected or mismatched:
-        raise CheckpointError(_mismatch_message(model, checkpoint, missing, unexpected, mismatched))
+    if missing or unexpected or shapes or dtypes:
+        raise CheckpointError(_mismatch_message(model, checkpoint, missing, unexpected, shapes, dtypes))
     computed = _computed_buffers(model, state)
-    return CheckpointLoad(checkpoint.path, sources, computed, sum(s.nbytes for s in sources.values()))
+    untied = untied_names(model, held_twice)
+    nbytes = sum(s.nbytes for s in sources.values()) + sum(s.nbytes for _, s in untied)
+    return CheckpointLoad(checkpoint.path, sources, computed, nbytes, untied)
 
 
 def _not_ignored(model: nn.Module, unexpected: list[str]) -> list[str]:
@@ -129,25 +145,45 @@ def _not_ignored(model: nn.Module, unexpected: list[str]) -> list[str]:
     return [name for name in unexpected if name not in skipped]
 
 
+def _described(dtype: torch.dtype, shape: tuple[int, ...], with_dtype: bool) -> str:
+    return f"{dtype} {list(shape)}" if with_dtype else str(list(shape))
+
+
 def _mismatch_message(
-    model: nn.Module, checkpoint: Checkpoint, missing: list[str], unexpected: list[str], mismatched: list[str]
+    model: nn.Module,
+    checkpoint: Checkpoint,
+    missing: list[str],
+    unexpected: list[str],
+    shapes: list[str],
+    dtypes: list[tuple[str, torch.dtype]],
 ) -> str:
     parts = []
-    for what, names in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)):
+    kinds = (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("mismatched in shape", shapes),
+        ("mismatched in dtype", [what for what, _ in dtypes]),
+    )
+    for what, names in kinds:
         if names:
             more = f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
             parts.append(f"{len(names)} {what}: {'; '.join(names[:_SHOWN])}{more}")
     fix = "pass the checkpoint of this model"
-    if mismatched and not missing and not unexpected:
-        dtypes = {s.split("checkpoint ")[1].split(" ")[0] for s in mismatched}
-        if len(dtypes) == 1:
-            dtype = dtypes.pop()
-            # Not model.to(dtype) for transformers: it casts the float32 rotary tables from_pretrained keeps.
-            fix = (
-                "build the model in the checkpoint's dtype as its from_pretrained does (on the meta device "
-                f"this is free): a transformers model with from_config(config, dtype={dtype}), a diffusers "
-                f"one with model.to({dtype})"
-            )
+    checkpoint_dtypes = {dtype for _, dtype in dtypes}
+    if shapes:
+        fix = (
+            "the model was not built with the configuration the checkpoint was saved with: build it from "
+            "the checkpoint's own config (e.g. AutoConfig.from_pretrained on the model's folder), or pass "
+            "the checkpoint of this model"
+        )
+    elif dtypes and not missing and not unexpected and len(checkpoint_dtypes) == 1:
+        dtype = checkpoint_dtypes.pop()
+        # Not model.to(dtype) for transformers: it casts the float32 rotary tables from_pretrained keeps.
+        fix = (
+            "build the model in the checkpoint's dtype as its from_pretrained does (on the meta device "
+            f"this is free): a transformers model with from_config(config, dtype={dtype}), a diffusers "
+            f"one with model.to({dtype})"
+        )
     return (
         f"the checkpoint {checkpoint.path} does not match {type(model).__name__}: {' | '.join(parts)}; "
         f"{fix}. Nothing was changed."

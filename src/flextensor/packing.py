@@ -11,6 +11,7 @@ copied from the model; meta parameters then become new parameter objects, put ba
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from .device import DeviceRuntime, Target
 from .errors import UnsupportedModelError
 from .host_store import PackedParameter, UnitPack, pack_unit
 from .progress import progress_bar
-from .selection import Selection
+from .selection import Selection, select
 from .tensor_subclasses import is_wrapper_subclass, set_parameter_value
 from .units import Unit
 
@@ -123,6 +124,9 @@ class Packing:
         ranges of the node's shared segment (which meta parameters may attach to, see shared_store)."""
         if self.weights is None:
             self._check_resident_have_data()
+        elif self.weights.untied:
+            self._untie(self.weights)
+            self.selection = select(self.model, config.include_patterns, config.exclude_patterns)
         pin = self.pins_while_packing
         params = dict(self.model.named_parameters())
         modules = dict(self.model.named_modules())
@@ -156,6 +160,24 @@ class Packing:
                     self._add_unit(name, modules[name], named, pack)
                     bar.advance(sum(e.nbytes for e in pack.entries))
         return self.units
+
+    def _untie(self, weights: CheckpointLoad) -> None:
+        """Give each tied name the checkpoint holds with values of its own a parameter of its own (on the
+        meta device until it is read), put back on failure (see [Note: a checkpoint that unties tied
+        weights] in checkpoint_ties.py); transformers' record of the tie goes, as its tie_weights does."""
+        declared = getattr(self.model, "all_tied_weights_keys", None)
+        for name, source in weights.untied:
+            owner, _, key = name.rpartition(".")
+            module = self.model.get_submodule(owner)
+            tied = module._parameters[key]
+            assert tied is not None
+            own = torch.empty(source.shape, dtype=source.dtype, device="meta")
+            new = nn.Parameter(own, requires_grad=tied.requires_grad)
+            module._parameters[key] = new
+            self._swapped.append((module, key, tied, new))
+            weights.sources[id(new)] = source
+            if isinstance(declared, dict) and name in declared:
+                self.on_undo(functools.partial(declared.__setitem__, name, declared.pop(name)))
 
     def _load_checkpoint(
         self,
@@ -286,7 +308,7 @@ class Packing:
             callback()
         for module, key, buf in reversed(self._moved_buffers):
             module._buffers[key] = buf
-        for module, key, original_param, _ in self._swapped:
+        for module, key, original_param, _ in reversed(self._swapped):  # an untied name is swapped twice
             module._parameters[key] = original_param
         swapped = {id(new) for _, _, _, new in self._swapped}
         self.runtime.synchronize()  # copies issued so far may still read the packs
