@@ -120,3 +120,34 @@ def run_wan_pipeline(pipe, steps: int = 4) -> torch.Tensor:
         output_type="pt",
         max_sequence_length=8,
     ).frames
+
+
+def tiny_flux(seed: int = 0, layers: int = 2, single_layers: int = 4):
+    """A FluxTransformer2DModel with random weights: its single-stream blocks return two slices of one
+    tensor (views), its double-stream blocks a tuple of two tensors."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=8,
+        num_layers=layers,
+        num_single_layers=single_layers,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    ).eval()
+
+
+def flux_inputs(seed: int = 1, image_tokens: int = 16, text_tokens: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(1, image_tokens, 8, generator=g),
+        "encoder_hidden_states": torch.randn(1, text_tokens, 16, generator=g),
+        "pooled_projections": torch.randn(1, 16, generator=g),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": torch.randint(0, 4, (image_tokens, 3), generator=g).float(),
+        "txt_ids": torch.zeros(text_tokens, 3),
+    }

@@ -20,9 +20,13 @@ Dynamo meets flextensor's hooks in one of two ways, and neither puts the engine'
   arena's bytes (units.Unit.point_parameters).
   The post op is declared to write the unit's output tensors (not its weights: those were read before
   it, so inductor would clone them and copy them back into the arena at the graph's end), so every
-  kernel that produces the output comes before it. Outputs that are views are left out (inductor would
-  clone them): a unit whose outputs are all views is ordered by the token alone, as is a kernel of a
-  unit whose result leaves the unit other than through its output (an in-place write to an input).
+  kernel that produces the output comes before it: every tensor of the output, however deeply nested
+  (:func:`written_outputs`), a view by the tensor it views (its base, whose bytes those kernels write;
+  once for the two slices of one tensor that Flux's single-stream blocks return). Left out, a view or a
+  nested tensor ordered nothing: inductor fused the kernels behind it into the next unit's, after the
+  next copies (wrong outputs). Inductor passes the base to the op in place, copying nothing. A kernel of
+  a unit whose result leaves the unit other than through its output (an in-place write to an input) is
+  ordered by the token alone.
   Both ops write a per-model token, so they keep the forward's order among themselves.
 
   That the pre op runs on the weights themselves is inductor's doing (it re-inplaces the op). A backend
@@ -170,22 +174,32 @@ def force_eager() -> Any:
 
 
 def written_outputs(output: Any, spare: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors of a unit's output the post op declares written: those that are no views, at the top
-    level or one level inside a tuple, list or dict (a ModelOutput); ``[spare]`` when there are none.
-    Traced by Dynamo."""
-    if isinstance(output, dict):
-        values: Iterable[Any] = output.values()
-    elif isinstance(output, (tuple, list)):
-        values = output
-    else:
-        values = (output,)
-    found = []
-    for value in values:
-        inner = value if isinstance(value, (tuple, list)) else (value,)
-        for tensor in inner:
-            if isinstance(tensor, torch.Tensor) and tensor._base is None:
-                found.append(tensor)
+    """The tensors the post op declares written: every tensor of a unit's output, however deeply it sits
+    in tuples, lists and dicts (a ModelOutput), each view by the tensor it views (its ``_base``: the
+    kernels that produce a view's bytes write its base), each base once; ``[spare]`` when there are none.
+    A weight is left out (nothing of the unit produced it, and declared written it would be copied back
+    into the arena at the graph's end). Traced by Dynamo."""
+    found: list[torch.Tensor] = []
+    _collect_written(output, found)
     return found if found else [spare]
+
+
+def _collect_written(value: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        base = value._base
+        tensor = value if base is None else base
+        if isinstance(tensor, nn.Parameter):
+            return
+        for seen in found:
+            if seen is tensor:
+                return
+        found.append(tensor)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_written(item, found)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect_written(item, found)
 
 
 def written_inputs(args: tuple, kwargs: dict, spare: torch.Tensor) -> list[torch.Tensor]:
