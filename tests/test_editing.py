@@ -375,3 +375,142 @@ def test_a_dora_adapter_added_and_merged_in_editing_matches_the_model_without_of
     with flextensor.editing(model):
         peft_model.merge_adapter()
     assert torch.equal(run_forwards(peft_model, x, 2)[-1], run_forwards(native_peft, x, 1)[0])
+
+
+# -- edits between forwards without editing() ---------------------------------------------------------------
+
+
+def test_a_write_into_a_state_dict_tensor_between_forwards_reaches_every_later_forward() -> None:
+    """``model.state_dict()[k].copy_(v)``, the in-place loading idiom, writes the unit's host pack: the next
+    forward used to compute with the copy already in the arena (old weights) and the later ones with the
+    new, so one forward mixed both."""
+    x = llama_inputs()
+    plain, model = tiny_llama(), offloaded_llama()
+    run_forwards(model, x, LEARN + 1)
+    state = model.state_dict()  # taken before forwards that load every unit again
+    run_forwards(model, x, 2)
+    keys = ["model.layers.1.mlp.up_proj.weight", "model.layers.2.self_attn.q_proj.weight"]
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for key in keys:
+            new = torch.randn(state[key].shape, generator=generator)
+            state[key].copy_(new)
+            plain.state_dict()[key].copy_(new)
+    expected = run_forwards(plain, x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+    assert_streams_everything(model)
+    for key in keys:
+        assert torch.equal(model.state_dict()[key], plain.state_dict()[key])
+    flextensor.release(model)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_a_refused_set_between_forwards_is_really_discarded() -> None:
+    """``weight.set_(t)`` was refused as discarded, yet the parameter kept viewing ``t``: every later forward
+    computed with it while state_dict() and release() gave the old weight."""
+    x = llama_inputs()
+    plain, model = tiny_llama(), offloaded_llama()
+    expected = run_forwards(plain, x, 1)[0]
+    run_forwards(model, x, LEARN + 1)
+    weight = model.model.layers[2].mlp.up_proj.weight
+    with torch.no_grad():
+        weight.set_(torch.zeros(weight.shape))
+    with pytest.raises(flextensor.UnsupportedOperationError, match=r"'model\.layers\.2'.*discarded"):
+        run_forwards(model, x, 1)
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+    key = "model.layers.2.mlp.up_proj.weight"
+    assert torch.equal(model.state_dict()[key], plain.state_dict()[key])
+    flextensor.release(model)
+    assert torch.equal(weight, plain.model.layers[2].mlp.up_proj.weight)
+
+
+def _replace_weight(model: torch.nn.Module) -> None:
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(weight)
+
+
+def _replace_layer(model: torch.nn.Module) -> None:
+    torch.manual_seed(9)
+    model.model.layers[1] = type(model.model.layers[1])(model.config, 1)
+
+
+def _reparametrize(how: object) -> object:
+    def apply(model: torch.nn.Module) -> None:
+        torch.manual_seed(4)  # spectral norm starts its power iteration from random vectors
+        how(model.model.layers[1].mlp.up_proj)  # type: ignore[operator]
+
+    return apply
+
+
+STRUCTURE_CHANGES = {
+    "a parameter replaced": _replace_weight,
+    "a layer replaced": _replace_layer,
+    "weight_norm": _reparametrize(torch.nn.utils.weight_norm),
+    "spectral_norm": _reparametrize(torch.nn.utils.spectral_norm),
+    "parametrizations.weight_norm": _reparametrize(torch.nn.utils.parametrizations.weight_norm),
+    "parametrizations.spectral_norm": _reparametrize(torch.nn.utils.parametrizations.spectral_norm),
+}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("change", list(STRUCTURE_CHANGES), ids=list(STRUCTURE_CHANGES))
+def test_a_weight_replaced_or_reparametrized_outside_editing_is_refused_and_the_model_left_as_it_was(
+    change: str,
+) -> None:
+    """Each was accepted, or refused half-way: forwards computed with the newcomer while state_dict() kept
+    the offloaded weight (a replaced parameter or layer; spectral_norm, refused as "discarded" but kept),
+    every later forward raised AttributeError (weight_norm, after it deleted ``weight``), or
+    ``nn.Parameter(weight)`` failed inside torch (parametrizations.weight_norm)."""
+    x = llama_inputs()
+    plain, model = tiny_llama(), offloaded_llama()
+    expected = run_forwards(plain, x, 1)[0]
+    run_forwards(model, x, LEARN + 1)
+    with pytest.raises(
+        flextensor.UnsupportedOperationError, match=r"model\.layers\.1\..*flextensor\.editing"
+    ):
+        STRUCTURE_CHANGES[change](model)
+    assert type(model.model.layers[1].mlp.up_proj) is torch.nn.Linear
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+    state = model.state_dict()
+    assert state.keys() == plain.state_dict().keys()
+    assert all(torch.equal(state[key], value) for key, value in plain.state_dict().items())
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("change", list(STRUCTURE_CHANGES), ids=list(STRUCTURE_CHANGES))
+def test_a_weight_replaced_or_reparametrized_inside_editing_matches_the_model_without_offload(
+    change: str,
+) -> None:
+    x = llama_inputs()
+    plain, model = tiny_llama(), offloaded_llama()
+    run_forwards(model, x, LEARN + 1)
+    with torch.no_grad():
+        STRUCTURE_CHANGES[change](plain)
+    with flextensor.editing(model):
+        STRUCTURE_CHANGES[change](model)
+    for m in (plain, model):
+        m.eval()
+    expected = run_forwards(plain, x, 1)[0]
+    assert all(torch.equal(out, expected) for out in run_forwards(model, x, 3))
+    reference = plain.state_dict()
+    for state in (model.state_dict(), flextensor.release(model).state_dict()):
+        assert state.keys() == reference.keys()
+        assert all(torch.equal(state[key], value) for key, value in reference.items())
+    assert torch.equal(run_forwards(model, x, 1)[0], expected)
+
+
+def test_nn_parameter_of_an_offloaded_weight_works_inside_editing_and_is_refused_outside() -> None:
+    """``nn.Parameter(weight)`` raised torch's "requires that detach() returns an instance of the same
+    type" (the guard's subclass), inside editing() too; outside, it would alias the shared arena."""
+    model = offloaded_llama()
+    run_forwards(model, llama_inputs(), LEARN)
+    weight = model.model.layers[1].mlp.up_proj.weight
+    with pytest.raises(flextensor.UnsupportedOperationError, match=r"nn\.Parameter\(model\.layers\.1\.mlp"):
+        torch.nn.Parameter(weight)
+    with flextensor.editing(model):
+        copy_ = torch.nn.Parameter(weight, requires_grad=False)
+        assert torch.equal(copy_, weight) and not copy_.requires_grad
+        model.model.layers[1].mlp.register_parameter("extra", copy_)
+    assert type(copy_) is torch.nn.Parameter  # registered: the guard's subclass is shed
+    assert torch.equal(copy_, tiny_llama().model.layers[1].mlp.up_proj.weight)

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["EditSession", "FirstUse", "WorkingSet", "refuse_to_begin", "working_set_for"]
+__all__ = ["EditSession", "FirstUse", "WorkingSet", "point_back", "refuse_to_begin", "working_set_for"]
 
 _DATA = torch._C.TensorBase.data  # the real ``.data`` descriptor, under weight_edits' guard
 _GUARD = "_flextensor_guard"  # see weight_edits.py
@@ -163,6 +163,17 @@ class WorkingSet:
     def forget(self, session: EditSession) -> None:
         for key in [k for k in self.live if k[0] is session]:
             self.held_bytes -= self.live.pop(key)
+
+
+def point_back(units: Iterable[Unit], device: torch.device) -> None:
+    """Make the parameters of ``units`` view their device bytes again (or hold placeholders while the
+    units have none, until the next layout)."""
+    for unit in units:
+        if unit.storage is not None:
+            unit.point_parameters()
+        else:
+            for _, param, entry in unit.parameters:
+                param.data = torch.empty(0, dtype=entry.dtype, device=device)
 
 
 def refuse_to_begin(engine: OffloadEngine) -> None:
@@ -312,6 +323,7 @@ class EditSession:
     def end(self) -> None:
         """Write every unit still holding copies back and view the device bytes again; raise for an edit
         that cannot be kept (a new shape or dtype), after leaving that weight as it was."""
+        from .structure_guard import watch_structure
         from .weight_edits import OutsideEdits
 
         engine = self.engine
@@ -338,6 +350,7 @@ class EditSession:
             if unit.resident:
                 unit.storage_version = unit.weights_version()
         engine.after_edit(self._added_parameters(names))
+        watch_structure(engine)  # parameter holders may have changed
         if unseen:
             raise UnsupportedOperationError(
                 f"the weights of offload unit(s) {', '.join(unseen[:5])} were written in place inside "
@@ -428,15 +441,7 @@ class EditSession:
         return pack
 
     def point_back(self, units: Iterable[Unit]) -> None:
-        """Make the parameters of ``units`` view their device bytes again (or hold placeholders while
-        the units have none, until the next layout)."""
-        device = self.engine.runtime.device
-        for unit in units:
-            if unit.storage is not None:
-                unit.point_parameters()
-            else:
-                for _, param, entry in unit.parameters:
-                    param.data = torch.empty(0, dtype=entry.dtype, device=device)
+        point_back(units, self.engine.runtime.device)
 
     def _added_parameters(self, names: dict[int, list[str]]) -> dict[str, str]:
         """Parameters inside offload units that belong to no unit (added while editing): FQN -> why they

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flextensor")
 
-__all__ = ["Packing", "check_offloadable", "mark_offloaded", "unmark_offloaded"]
+__all__ = ["Packing", "check_offloadable", "is_offloaded_module", "mark_offloaded", "unmark_offloaded"]
 
 _OFFLOADED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Every module of every model offloaded in this process: offloading one of them again would pack
@@ -69,6 +69,11 @@ def check_offloadable(model: object) -> None:
                 f"parameter {name!r} is {param.layout} (not a dense tensor), which flextensor cannot pack; "
                 "keep it out of offloading with exclude_patterns, or make it dense first"
             )
+
+
+def is_offloaded_module(module: nn.Module) -> bool:
+    """Whether ``module`` is part of a model flextensor offloads."""
+    return module in _OFFLOADED_MODULES
 
 
 def mark_offloaded(model: nn.Module) -> None:

@@ -72,6 +72,9 @@ class Unit:
     device memory (see [Note: mapped units] in mapped_units.py). None: not mapped.
     ``aliases``: (path, module) of the modules outside every unit that hold some of its weights (tied):
     a call of one is hooked as a call of the unit (see [Note: tied aliases] in discovery.py).
+    ``pack_writes``: an empty tensor whose version counter the unit's ``state_dict()`` tensors share, so an
+    in-place write into one of them shows as one counter (see [Note: writes into state_dict tensors] in
+    weight_edits.py).
     """
 
     name: str
@@ -91,6 +94,7 @@ class Unit:
     staging: Any = None  # the StagingRing its copies go through when its pack is not pinned (host budget)
     aliases: tuple[tuple[str, nn.Module], ...] = ()
     mapped: torch.Tensor | None = None  # its pinned pack seen from the device (mapped_units.py)
+    pack_writes: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     entries: tuple[PackedParameter, ...] = field(init=False)
     nbytes: int = field(init=False)
 

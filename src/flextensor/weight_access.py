@@ -62,14 +62,17 @@ class StreamedWeights:
         """(key, tensor) for every name of every streamed parameter: its kept copy, since its arena range
         may hold another unit's bytes; a tied weight's names share one tensor, as in the model's own
         ``state_dict()``. Each tensor has a storage of its own (torch.save and safetensors refuse one
-        storage viewed as several dtypes)."""
+        storage viewed as several dtypes) and shares its unit's ``pack_writes`` version counter, so an
+        in-place write into it is seen at the next forward's start (see [Note: writes into state_dict
+        tensors] in weight_edits.py)."""
         names = self._names_now()
         entries = []
         for unit in self.units.values():
             if unit.resident or unit.pack is None:
                 continue
             for fqn, param, entry in unit.parameters:
-                kept = _as_parameter_class(unit.pack.standalone_view(entry), param)
+                kept = _written_through(unit.pack.standalone_view(entry), unit.pack_writes)
+                kept = _as_parameter_class(kept, param)
                 entries += [(prefix + name, kept) for name in names.get(id(param), [fqn])]
         return entries
 
@@ -180,6 +183,20 @@ class StreamedWeights:
         for unit in self.units.values():
             for _, param, _ in unit.parameters:
                 unguard_parameter(param)
+
+
+def _written_through(view: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """``view`` (a host copy with a storage of its own) as a tensor over the same bytes whose version
+    counter is ``counter``'s: an in-place write into it, or into a view of it, bumps that one counter."""
+    storage = view.untyped_storage()
+    if storage.nbytes() % view.element_size():
+        return view
+    version = counter._version
+    raw = torch.Tensor._make_subclass(torch.Tensor, counter)  # an alias: it shares the version counter
+    with torch.no_grad():
+        raw.set_(storage, 0, (storage.nbytes(),), (1,))
+    torch._C._autograd._unsafe_set_version_counter((counter,), (version,))  # set_ wrote no weight
+    return raw.view(view.dtype).as_strided(view.shape, view.stride(), view.storage_offset())
 
 
 def _as_parameter_class(tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:

@@ -32,12 +32,24 @@ when the layout was made (one C-level sum per forward, no Python loop); a pipeli
 the host between its phases (empty placeholders) is watched too, and an edit seen when a layout or a
 vacate arms the watch again stays pending for the next forward. Such an edit cannot be kept (its
 bytes may have landed in another unit's weights): the edited units' arena ranges are forgotten, so they
-reload their packs, and the forward raises :class:`~flextensor.errors.UnsupportedOperationError`.
+reload their packs, and their parameters view their ranges again (``weight.set_(t)`` re-points one), and
+the forward raises :class:`~flextensor.errors.UnsupportedOperationError`.
 flextensor's own compiled unit ops declare the weights written (see [Note: compiled hot path] in
 compiled.py), so they bump the counters too: inside a forward that is absorbed (the watch is armed again
 at its end), but tracing a larger compiled region runs them before the model's forward begins, so a
 forward entered from such a region takes the counters as they are (a blind spot for ``p.mul_()`` there;
 writes through ``.data`` are still refused).
+
+[Note: writes into state_dict tensors]
+``state_dict()`` gives a streamed weight as a view of its unit's host pack (weight_access.py), so an
+in-place write into it (``model.state_dict()[k].copy_(v)``, the usual in-place loading idiom) changes the
+weight for good, but a copy of the unit already in the arena (or in resident storage) still holds the old
+bytes. Every such view shares the version counter of its unit's ``pack_writes`` (an empty tensor), so the
+write bumps that one counter; :class:`WeightWatch` sums those counters with the parameters' (the same C
+pass per forward, one more counter per unit). At the next forward's start the written units compute with
+their packs again (:func:`take_pack_writes`): a streamed unit's arena range is forgotten, so it reloads,
+and a resident unit's storage takes the entries that differ from its pack. A pack the write cannot reach
+(shared between processes: copy on write; compressed; the checkpoint file) refuses that forward instead.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .edit_session import EditSession, FirstUse, refuse_to_begin, working_set_for
+from .edit_session import EditSession, FirstUse, point_back, refuse_to_begin, working_set_for
 from .errors import NotOffloadedError, UnsupportedOperationError
 from .tensor_subclasses import is_wrapper_subclass
 from .units import Placement, Unit
@@ -67,16 +79,21 @@ logger = logging.getLogger("flextensor")
 __all__ = [
     "OutsideEdits",
     "WeightWatch",
+    "discard_edits",
     "editing",
     "edits_discarded",
     "guard_parameters",
     "own_class",
     "refuse_forward_over_edits",
+    "settle_changes",
+    "take_pack_writes",
     "unguard_parameter",
 ]
 
 _VERSION = operator.attrgetter("_version")
 _DATA = torch._C.TensorBase.data  # the real ``.data`` descriptor, under the guard
+_DETACH = torch._C.TensorBase.detach
+_NEW_PARAMETER = nn.Parameter.__new__.__code__
 _GUARD = "_flextensor_guard"  # on a guarded parameter: (weak reference to its engine, its FQN)
 _GUARDED_CLASSES: dict[type, type] = {}  # parameter class -> its guarded subclass
 
@@ -100,10 +117,11 @@ def _check_data_access(param: nn.Parameter, what: str) -> None:
     if edits.touched:  # an edit going through the layers in turn may have changed those already
         edits.unsettled = sorted(edits.touched)
     raise UnsupportedOperationError(
-        f"{what} {guard[1]}.data of an offloaded model between forwards: the weight views a device range "
+        f"{what.format(guard[1])} of an offloaded model between forwards: the weight views a device range "
         "that other units' weights overwrite, so it may hold another unit's bytes and a write there would "
         "be lost. Make edits (peft merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora, "
-        "weight.data changes) inside `with flextensor.editing(model): ...`, and set up there what reads "
+        "weight.data changes, weight_norm and other parametrizations) inside "
+        "`with flextensor.editing(model): ...`, and set up there what reads "
         "the base weights (a peft DoRA adapter, use_dora=True: `with flextensor.editing(model): "
         "peft_model = get_peft_model(model, config)`); read weights from model.state_dict()"
         + (f"; {edits.unsettled_text()}" if edits.unsettled else "")
@@ -135,7 +153,7 @@ def _get_data(param: nn.Parameter) -> torch.Tensor:
         # Traced inside a compiled forward (a model reading weight.data): what .data gives there, the
         # same storage without autograd, in a form Dynamo can trace (it cannot trace the check below).
         return param.detach()
-    _check_data_access(param, "reading")
+    _check_data_access(param, "reading {}.data")
     return _DATA.__get__(param)
 
 
@@ -149,8 +167,17 @@ def _set_data(param: nn.Parameter, value: torch.Tensor) -> None:
         and value.device == current.device
     )
     if not unchanged:  # a no-op move (module.to() of the device it is on) sets .data to itself
-        _check_data_access(param, "replacing")
+        _check_data_access(param, "replacing {}.data")
     _DATA.__set__(param, value)
+
+
+def _detach(param: nn.Parameter) -> torch.Tensor:
+    if not torch.compiler.is_compiling() and sys._getframe(1).f_code is _NEW_PARAMETER:
+        # nn.Parameter(param) (parametrizations.weight_norm's): torch wants a subclass's detach() to keep
+        # the class. The new parameter sheds it when registered (structure_guard.py).
+        _check_data_access(param, "nn.Parameter({})")
+        return _DETACH(param).as_subclass(type(param))
+    return _DETACH(param)
 
 
 def _state_without_guard(param: nn.Parameter) -> dict | None:
@@ -165,6 +192,7 @@ def _guarded_class(cls: type) -> type:
     if made is None:
         members = {
             "data": property(_get_data, _set_data),
+            "detach": _detach,
             "__getstate__": _state_without_guard,
             "__module__": cls.__module__,
         }
@@ -176,7 +204,8 @@ def _guarded_class(cls: type) -> type:
 
 def guard_parameters(engine: OffloadEngine) -> list[nn.Parameter]:
     """Guard ``.data`` of every unit parameter and note accesses to that of the model's other parameters
-    (see [Note: editing streamed weights]); plan time. Returns the parameters outside every unit (the
+    (see [Note: editing streamed weights]) and watch the modules that hold them (see [Note: replaced
+    weights] in structure_guard.py); plan time. Returns the parameters outside every unit (the
     caller unguards them at release); a wrapper subclass (see tensor_subclasses.py) keeps its class, and
     a parameter another model guards is left to it."""
     ref = weakref.ref(engine)
@@ -193,6 +222,9 @@ def guard_parameters(engine: OffloadEngine) -> list[nn.Parameter]:
         param.__dict__[_GUARD] = (ref, fqn, "outside")
         param.__class__ = _guarded_class(type(param))
         outside.append(param)
+    from .structure_guard import watch_structure  # it builds on this module
+
+    watch_structure(engine)
     return outside
 
 
@@ -217,59 +249,79 @@ def _versions_of(params: tuple[nn.Parameter, ...]) -> tuple[int, ...]:
 
 
 class WeightWatch:
-    """Notices in-place writes through unit parameters between forwards (see [Note: editing streamed
-    weights]). :meth:`arm` at plan time; :meth:`edited` at a forward's start, :meth:`refresh` at its end
-    (compiled unit ops bump the counters too): each one pass over the counters in C, no Python loop.
+    """Notices in-place writes through unit parameters, and into the units' ``state_dict()`` tensors,
+    between forwards (see [Note: editing streamed weights] and [Note: writes into state_dict tensors]).
+    :meth:`arm` at plan time; :meth:`changes` at a forward's start, :meth:`refresh` at its end (compiled
+    unit ops bump the counters too): each one pass over the counters in C, no Python loop.
 
     Watched: the parameters of streamed units (they view arena ranges other units overwrite) and of units
     held only on the host (a pipeline's component between its phases: its parameters are empty
-    placeholders, and the next layout fills them from the packs). Arming again at plan time (a new
-    layout, a component vacated for another one) keeps what was edited since the last arming as pending
-    (:attr:`pending`), so the next forward still refuses it; only callers that know the new counters are
-    no edit (the end of a forward, edits written back by flextensor.editing) pass ``accept=True``."""
+    placeholders, and the next layout fills them from the packs), and every unit's ``pack_writes``
+    counter. Arming again at plan time (a new layout, a component vacated for another one) keeps what was
+    changed since the last arming as pending (:attr:`pending`, :attr:`pending_writes`), so the next
+    forward still sees it; only callers that know the new parameter counters are no edit (the end of a
+    forward, edits written back by flextensor.editing) pass ``accept=True``, and only :meth:`settled`
+    forgets the writes into the packs, once they are taken."""
 
     def __init__(self) -> None:
-        self._params: tuple[nn.Parameter, ...] = ()
-        self._owners: tuple[Unit, ...] = ()  # the unit of each watched parameter
+        self._tensors: tuple[torch.Tensor, ...] = ()  # the watched parameters, then the pack counters
+        self._owners: tuple[Unit, ...] = ()  # the unit of each
+        self._parameters = 0  # how many of _tensors are parameters
         self._versions: tuple[int, ...] = ()
         self._total = 0
         self.pending: list[Unit] = []  # units edited before the last arming, not yet refused
+        self.pending_writes: list[Unit] = []  # units whose packs were written before it, not yet taken
 
     def arm(self, units: Iterable[Unit], accept: bool = False) -> None:
-        """Watch the parameters of the units streamed or held on the host now, from their present
-        versions (plan time); edits since the last arming stay pending unless ``accept``."""
-        if accept:
-            self.pending = []
-        else:
-            self.pending = list(dict.fromkeys([*self.pending, *self._changed()]))
+        """Watch the parameters of the units streamed or held on the host now, and every unit's pack
+        counter, from their present versions (plan time); edits since the last arming stay pending unless
+        ``accept``, writes into the packs always do."""
+        units = list(units)
+        edited, written = self._changed()
+        self.pending = [] if accept else _merged(self.pending, edited)
+        self.pending_writes = _merged(self.pending_writes, written)
         watched = [u for u in units if u.placement in (Placement.STREAMED, Placement.HOST)]
-        self._params = tuple(p for u in watched for _, p, _ in u.parameters)
-        self._owners = tuple(u for u in watched for _ in u.parameters)
+        params = [p for u in watched for _, p, _ in u.parameters]
+        self._tensors = (*params, *(u.pack_writes for u in units))
+        self._owners = (*(u for u in watched for _ in u.parameters), *units)
+        self._parameters = len(params)
         self.refresh()
 
+    def settled(self, units: Iterable[Unit]) -> None:
+        """Every change seen so far was dealt with (edits refused, writes into packs taken): arm afresh."""
+        self.arm(units, accept=True)
+        self.pending_writes = []
+
     def refresh(self) -> None:
-        """Take the watched parameters' present versions as the unedited ones."""
-        self._versions = _versions_of(self._params)
+        """Take the watched counters' present versions as the unchanged ones."""
+        self._versions = _versions_of(self._tensors)
         self._total = sum(self._versions)
 
-    def edited(self) -> list[Unit]:
-        """The units whose parameters were written in place since :meth:`refresh`, and those pending from
-        before the last arming; usually none, found with one sum (counters only grow, so an equal sum
-        means nothing changed)."""
-        changed = self._changed()
-        return list(dict.fromkeys([*self.pending, *changed])) if self.pending else changed
+    def changes(self) -> tuple[list[Unit], list[Unit]]:
+        """(units whose parameters were written in place, units whose ``state_dict()`` tensors were) since
+        :meth:`refresh`, with those pending from before the last arming; usually neither, found with one
+        sum (counters only grow, so an equal sum means nothing changed)."""
+        edited, written = self._changed()
+        return _merged(self.pending, edited), _merged(self.pending_writes, written)
 
-    def _changed(self) -> list[Unit]:
-        now = _versions_of(self._params)
+    def _changed(self) -> tuple[list[Unit], list[Unit]]:
+        now = _versions_of(self._tensors)
         if sum(now) == self._total:
-            return []
-        changed = (u for u, v, was in zip(self._owners, now, self._versions, strict=True) if v != was)
-        return list(dict.fromkeys(changed))
+            return [], []
+        changed = [i for i, (v, was) in enumerate(zip(now, self._versions, strict=True)) if v != was]
+        edited = [self._owners[i] for i in changed if i < self._parameters]
+        written = [self._owners[i] for i in changed if i >= self._parameters]
+        return _merged([], edited), _merged([], written)
+
+
+def _merged(first: list[Unit], second: list[Unit]) -> list[Unit]:
+    return list(dict.fromkeys([*first, *second])) if first else list(dict.fromkeys(second))
 
 
 def refuse_forward_over_edits(engine: OffloadEngine) -> None:
     """At a forward's start: refuse it inside flextensor.editing(), or when streamed weights were written
-    in place outside it since the last forward (their edits are then discarded, see edits_discarded)."""
+    in place outside it since the last forward (their edits are then discarded, see edits_discarded);
+    take what was written into ``state_dict()`` tensors (see take_pack_writes)."""
     if engine.editing is not None:
         raise UnsupportedOperationError(
             "a forward of the model inside flextensor.editing(model): run it after the with-block, once "
@@ -280,26 +332,79 @@ def refuse_forward_over_edits(engine: OffloadEngine) -> None:
         raise UnsupportedOperationError(f"a forward after a refused edit: {outside.unsettled_text()}")
     if outside.touched:
         outside.touched.clear()  # the last edit, if any, went through whole
-    edited = engine.watch.edited()
+    settle_changes(engine)
+
+
+def settle_changes(engine: OffloadEngine) -> None:
+    """Deal with every change the watch saw (plan time): take the writes into ``state_dict()`` tensors,
+    discard in-place edits of streamed weights, then raise for what could not be kept."""
+    edited, written = engine.watch.changes()
+    if not edited and not written:
+        return
+    lost = take_pack_writes(engine, written)
     if edited:
-        engine.watch.arm(engine.units.values(), accept=True)
-        raise edits_discarded(engine.store, edited)
+        discard_edits(engine, edited)
+    engine.watch.settled(engine.units.values())
+    if edited:
+        raise edits_discarded(edited)
+    if lost:
+        raise UnsupportedOperationError(
+            f"tensors of model.state_dict() were written in place (e.g. state_dict()[key].copy_(value)) "
+            f"for offload unit(s) {_names(lost)}, whose host copy those tensors do not reach (shared "
+            "between processes, compressed or read from the checkpoint file): the write was not kept and "
+            "the model computes with the weights it had. Write them inside `with flextensor.editing(model): "
+            "model.load_state_dict(...)` instead"
+        )
 
 
-def edits_discarded(store: DeviceStore, edited: list[Unit]) -> UnsupportedOperationError:
+def take_pack_writes(engine: OffloadEngine, written: list[Unit]) -> list[Unit]:
+    """Tensors of ``state_dict()`` (views of the units' host packs) were written in place: make every unit
+    compute with its pack again (see [Note: writes into state_dict tensors]). Returns the units whose
+    packs such a write cannot reach."""
+    lost = []
+    for unit in written:
+        pack = unit.pack
+        if pack is None or pack.shared or pack.coded or pack.disk:
+            lost.append(unit)
+        elif unit.resident and unit.storage is not None and unit.mapped is None:
+            engine.runtime.synchronize()
+            with torch.no_grad():
+                for _, _, entry in unit.parameters:
+                    target, value = entry.view(unit.storage), pack.view(entry)
+                    if not torch.equal(target, value.to(target.device)):
+                        target.copy_(value)
+        else:
+            _forget_arena_contents(engine.store, unit)
+    return lost
+
+
+def _forget_arena_contents(store: DeviceStore, unit: Unit) -> None:
+    for cell in unit.cells:  # none for a unit held on the host: its next layout loads it anyway
+        store.owner[cell] = None
+
+
+def discard_edits(engine: OffloadEngine, edited: list[Unit]) -> None:
     """Streamed weights were written in place outside flextensor.editing(): the bytes written may be
-    another unit's. Forget what their arena ranges hold, so every unit there reloads its pack; the error
-    refuses the forward before it computes."""
+    another unit's. Forget what their arena ranges hold, so every unit there reloads its pack, and make
+    their parameters view their ranges again (``weight.set_(t)`` re-points a parameter)."""
     for unit in edited:
-        for cell in unit.cells:  # none for a unit held on the host: its next layout loads it anyway
-            store.owner[cell] = None
-    names = ", ".join(repr(u.name) for u in edited[:5]) + (", ..." if len(edited) > 5 else "")
+        _forget_arena_contents(engine.store, unit)
+    point_back(edited, engine.runtime.device)
+
+
+def _names(units: list[Unit]) -> str:
+    return ", ".join(repr(u.name) for u in units[:5]) + (", ..." if len(units) > 5 else "")
+
+
+def edits_discarded(edited: list[Unit]) -> UnsupportedOperationError:
+    """The error that refuses a forward after :func:`discard_edits`, before it computes."""
     return UnsupportedOperationError(
-        f"the weights of offload unit(s) {names} were changed in place outside flextensor.editing(model) "
-        "(e.g. weight.mul_(), copy_(), an init function): a streamed weight views a device range that "
-        "other units' weights overwrite (and a pipeline component's weights are not on the device at all "
-        "between its phases), so the edit was discarded and those units reload their weights from host "
-        "memory. Make the edit inside `with flextensor.editing(model): ...`, then run the model"
+        f"the weights of offload unit(s) {_names(edited)} were changed in place outside "
+        "flextensor.editing(model) (e.g. weight.mul_(), copy_(), set_(), an init function): a streamed "
+        "weight views a device range that other units' weights overwrite (and a pipeline component's "
+        "weights are not on the device at all between its phases), so the edit was discarded and those "
+        "units reload their weights from host memory. Make the edit inside `with flextensor.editing(model): "
+        "...`, then run the model"
     )
 
 
@@ -334,10 +439,8 @@ def editing(model: nn.Module) -> Iterator[nn.Module]:
     for engine in engines:  # before any session begins or a layout is given back: nothing to undo
         _refuse_unwritable_packs(engine)
         refuse_to_begin(engine)
-        edited = engine.watch.edited()
-        if edited:  # written in place before the block: the session would take those bytes as the weights
-            engine.watch.arm(engine.units.values(), accept=True)
-            raise edits_discarded(engine.store, edited)
+        # Written in place before the block: the session would take those bytes as the weights.
+        settle_changes(engine)
     sessions: list[EditSession] = []
     working_set = working_set_for(engines)  # may give layouts back
     try:
