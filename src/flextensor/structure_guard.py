@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
@@ -77,6 +78,8 @@ def _unit_engine(param: object) -> OffloadEngine | None:
 
 
 def _on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    if torch.compiler.is_compiling():
+        return  # inside a traced forward: no change between forwards (nor guards on the map)
     if _GUARD not in param.__dict__ and own_class(type(param)) is not type(param):
         param.__class__ = own_class(type(param))  # nn.Parameter(p) of a guarded p (weight_edits._detach)
     old = module._parameters.get(name)
@@ -85,6 +88,8 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
 
 
 def _on_module(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    if torch.compiler.is_compiling():
+        return
     old = parent._modules.get(name)
     leaving = []
     if old is not None and old is not child and is_offloaded_module(old):
