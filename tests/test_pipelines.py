@@ -133,6 +133,20 @@ def test_release_gives_back_a_plain_pipeline(reference: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+def test_releasing_one_component_is_refused_and_the_pipeline_keeps_working(reference: torch.Tensor) -> None:
+    """A component shares the pipeline's budget and hooks: released alone, the pipeline could neither
+    generate nor be released. Refused before anything changes; the pipeline is released whole."""
+    pipe = offloaded_pipeline()
+    run_wan_pipeline(pipe)
+    with pytest.raises(UnsupportedOperationError, match=r"'transformer' of .*release the pipeline"):
+        flextensor.release(pipe.transformer)
+    assert flextensor.phase(pipe.transformer) in ("discovery", "profiling", "inference")
+    assert torch.equal(run_wan_pipeline(pipe), reference)
+    flextensor.release(pipe)
+    assert torch.equal(run_wan_pipeline(pipe), reference)
+
+
+@torch.no_grad()
 def test_release_puts_back_what_another_library_patched_on_the_instance(reference: torch.Tensor) -> None:
     pipe = tiny_wan_pipeline()
     calls: list[str] = []

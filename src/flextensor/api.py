@@ -208,12 +208,26 @@ def release(model: nn.Module, device: str | torch.device | None = None) -> nn.Mo
     Parameters end up on ``device`` if given (e.g. ``"cpu"``), else on the offload device. Host memory
     held for the weights is freed. The device is checked and every new copy is built before anything
     changes: when that fails (no such device, out of memory) the model stays offloaded and working, and
-    ``release`` can be called again.
+    ``release`` can be called again. A component of an offloaded pipeline is released with its pipeline only
+    (``release(pipe)``); ``release(pipe.transformer)`` raises UnsupportedOperationError, changing nothing.
     """
     from .pipelines import components_of, release_pipeline
 
     if components_of(model) is not None:
         return release_pipeline(model, device)
+    component = engine_of(model).component_of
+    if component is not None:  # its hooks and budget are the pipeline's: alone, it would leave it broken
+        name, pipeline = component
+        raise UnsupportedOperationError(
+            f"this {type(compiled_original(model)).__name__} is the component {name!r} of an offloaded "
+            f"{pipeline}, which shares one budget and its hooks between its components; release the "
+            "pipeline: flextensor.release(pipe), which releases every component"
+        )
+    return release_model(model, device)
+
+
+def release_model(model: nn.Module, device: str | torch.device | None = None) -> nn.Module:
+    """:func:`release` of one offloaded model, a pipeline's component included (pipelines.py)."""
     engine = engine_of(model)
     target = resolve_device(str(torch.device(device))) if device is not None else None
     engine.release(target)

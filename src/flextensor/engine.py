@@ -88,6 +88,7 @@ class OffloadEngine(ForwardEnds):
         self.after_step: Callable[[OffloadEngine], None] | None = None  # a pipeline's, on success
         self.before_outside_layout: Callable[[OffloadEngine], None] | None = None  # a pipeline's
         self.held_beside: Callable[[], int] = lambda: 0  # a pipeline's: what its other components hold
+        self.component_of: tuple[str, str] | None = None  # (its name, the pipeline's class): a component
         self._laid_out_on: object = None  # the stream a layout made before the forward was ordered on
         # Set by a pipeline before a forward after which this model gives its memory back: that forward
         # copies nothing in for the next one (DeviceStore.prefetch_past_end), and _past_end_off is True

@@ -318,7 +318,7 @@ _MAPPINGS: dict[int, PipelineOffload] = {}
 def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
     """Offload every ``nn.Module`` component of ``pipe`` under one budget; returns ``pipe``. A failure
     releases the components already offloaded, leaving the pipeline as it was."""
-    from .api import offload, release
+    from .api import offload, release_model
     from .device import resolve_target
 
     if getattr(pipe, _PIPELINE_ATTR, None) is not None or id(pipe) in _MAPPINGS:
@@ -349,6 +349,7 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
                 offload(module, configs[name])
             done.append((module, device))
             engine = pipeline.engine(name)
+            engine.component_of = (name, type(pipe).__name__)  # released with the pipeline only
             engine.store.keep_packs = True  # see the note: components lay out in turn
             if profiles is not None:
                 _start_from_profile(engine, profiles[name], f"{config.profile}, component {name!r}")
@@ -357,7 +358,7 @@ def offload_pipeline(pipe: Any, config: OffloadConfig) -> Any:
             engine.vacate()
     except BaseException:
         for module, device in reversed(done):
-            release(module, device)
+            release_model(module, device)
         raise
     this = weakref.ref(pipeline)
     for name in components:
@@ -414,11 +415,13 @@ def _pipeline_call(
 
 
 def release_pipeline(pipe: Any, device: Any = None) -> Any:
-    from .api import release
+    from .api import _ENGINE_ATTR, compiled_original, release_model
 
     pipeline = pipeline_of(pipe)
     for module in pipeline.components.values():
-        release(module, device)
+        # One released by a call interrupted part-way (Ctrl-C) is done: this call finishes the rest.
+        if _ENGINE_ATTR in compiled_original(module).__dict__:
+            release_model(module, device)
     if isinstance(pipe, Mapping):
         _MAPPINGS.pop(id(pipe), None)
     else:
