@@ -185,6 +185,43 @@ def test_release_after_packs_were_dropped_returns_the_original_weights(device: s
     assert torch.equal(run_forwards(model, tokens[8], 1)[0], refs[8])
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_release_interrupted_after_a_pack_was_freed_is_finished_by_the_next(
+    monkeypatch: pytest.MonkeyPatch, device: str | None
+) -> None:
+    """Ctrl-C in release() after the parameters got their own copies, while the packs are freed: the
+    model computes and saves right already, and a second release() finishes (it used to rebuild the
+    copies from the packs already freed: "unit 'layers.0' lost its weights")."""
+    from flextensor.host_store import UnitPack
+
+    before = copy.deepcopy(make_spec_model().state_dict())
+    placements = {8: ("embed", "layers.0", "lm_head")}  # resident units (packs dropped) and streamed ones
+    model, tokens, refs = offload_with_placements(placements, tight=False)
+    with torch.no_grad():
+        assert torch.equal(model(tokens[8]), refs[8])
+    real_free, freed = UnitPack.free, []
+
+    def free_then_interrupt(pack: UnitPack) -> None:
+        real_free(pack)
+        freed.append(pack.unit)
+        if len(freed) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(UnitPack, "free", free_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        flextensor.release(model, device)
+    assert len(freed) == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    flextensor.release(model, device)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) and after[k].device.type == "cpu" for k, v in before.items())
+    assert _no_hooks_left(model)
+    with pytest.raises(NotOffloadedError):
+        flextensor.phase(model)
+    assert torch.equal(run_forwards(model, tokens[8], 1)[0], refs[8])
+
+
 def test_offload_from_a_profile_rolls_back_after_the_plan_dropped_packs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

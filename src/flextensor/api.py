@@ -208,8 +208,10 @@ def release(model: nn.Module, device: str | torch.device | None = None) -> nn.Mo
     Parameters end up on ``device`` if given (e.g. ``"cpu"``), else on the offload device. Host memory
     held for the weights is freed. The device is checked and every new copy is built before anything
     changes: when that fails (no such device, out of memory) the model stays offloaded and working, and
-    ``release`` can be called again. A component of an offloaded pipeline is released with its pipeline only
-    (``release(pipe)``); ``release(pipe.transformer)`` raises UnsupportedOperationError, changing nothing.
+    ``release`` can be called again; so can a call stopped part-way (Ctrl-C), which the next one
+    finishes, with the weights where the first one put them. A component of an offloaded pipeline is
+    released with its pipeline only (``release(pipe)``); ``release(pipe.transformer)`` raises
+    UnsupportedOperationError, changing nothing.
     """
     from .pipelines import components_of, release_pipeline
 

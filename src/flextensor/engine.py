@@ -465,11 +465,12 @@ class OffloadEngine(ForwardEnds):
     # -- release ------------------------------------------------------------------------------------------
 
     def release(self, device: torch.device | None) -> None:
-        """Remove every hook and give each parameter storage of its own on ``device`` (default: the
-        offload device). Builds every copy before changing anything: a failure (out of memory) leaves
-        the model offloaded and working, and a second call can finish."""
+        """Remove every hook and give each parameter storage of its own on ``device`` (default: the offload
+        device), built before anything changes: a failure (out of memory) leaves the model offloaded and
+        working. A second call finishes a first that failed or was stopped (Ctrl-C) at any point."""
         self.graphs.warn_on_release()
-        self.weights.swap_in(self.weights.build_released(device))
+        if not self.weights.handed_back:  # once swapped, the packs may be freed: never built from again
+            self.weights.swap_in(self.weights.build_released(device))
         self.unguard_parameters()
         self.hooks.detach()
         self.store.free_everything()
@@ -495,6 +496,5 @@ class OffloadEngine(ForwardEnds):
 
 
 def _call_if_alive(method: weakref.WeakMethod) -> None:
-    bound = method()
-    if bound is not None:
+    if (bound := method()) is not None:
         bound()

@@ -52,6 +52,7 @@ class StreamedWeights:
         self.store = store
         self._on_leave = on_leave  # a weight left the stream (the engine re-arms its edit watch)
         self.outside_reads = 0  # weights found read outside their unit since reset_counts()
+        self.handed_back = False  # release() gave every parameter storage of its own (swap_in)
 
     def _names_now(self) -> dict[int, list[str]]:
         """Every name of each parameter now: a weight tied within a unit has several (``state_dict()``
@@ -168,15 +169,15 @@ class StreamedWeights:
                         swaps.append((module, key, buf.to(device)))
         return swaps
 
-    @staticmethod
-    def swap_in(swaps: list[tuple[Any, str, torch.Tensor]]) -> None:
+    def swap_in(self, swaps: list[tuple[Any, str, torch.Tensor]]) -> None:
         """Install what :meth:`build_released` built. Allocates nothing: an interrupt part-way leaves
-        parameters that hold the right values either way."""
+        parameters that hold the right values either way (and the packs intact, to build from again)."""
         for owner, key, value in swaps:
             if key == "data":
                 set_parameter_value(owner, value)
             else:
                 owner._buffers[key] = value
+        self.handed_back = True
 
     def unguard(self) -> None:
         """Give every unit parameter its own class back (release, or a failed offload)."""
