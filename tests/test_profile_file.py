@@ -492,6 +492,17 @@ INVALID_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         r"plan\.streamed is not in execution order",
     ),
     ("arena too small", _edit_plan(arena_bytes=4096), r"plan\.arena_bytes is 4096, less than the \d+"),
+    (
+        "arena beyond the budget",
+        _edit_plan(arena_bytes=1 << 40),
+        r"plan\.arena_bytes is 1099511627776: with the \d+ of its resident units, more than its budget "
+        r"\(plan\.budget_bytes\) of 1073741824",
+    ),
+    (
+        "arena beyond its streamed units",
+        _edit_plan(arena_bytes=1 << 40, budget_bytes=None),
+        r"plan\.arena_bytes is 1099511627776, more than the \d+ its streamed units take together",
+    ),
 ]
 
 
@@ -699,14 +710,19 @@ def random_profiles(draw: st.DrawFn) -> Profile:
     )
     resident_flags = [draw(st.booleans()) for _ in names]
     streamed = tuple(n for n, r in zip(names, resident_flags, strict=True) if not r)
+    resident = tuple(n for n, r in zip(names, resident_flags, strict=True) if r)
     sizes = {u.name: u.nbytes for u in units}
+    # Between the largest streamed unit and all of them, and with the residents within the budget.
+    most = sum(align_up(sizes[n], UNIT_ALIGNMENT) for n in streamed)
+    arena = min(minimal_arena_bytes([sizes[n] for n in streamed]) + draw(_sizes), most)
+    within = arena + sum(sizes[n] for n in resident)
     plan = Plan(
-        resident=tuple(n for n, r in zip(names, resident_flags, strict=True) if r),
+        resident=resident,
         streamed=streamed,
-        arena_bytes=minimal_arena_bytes([sizes[n] for n in streamed]) + draw(_sizes),
+        arena_bytes=arena,
         predicted_step_s=draw(_times),
         predicted_peak_bytes=draw(_sizes),
-        budget_bytes=draw(st.none() | _sizes),
+        budget_bytes=draw(st.none() | st.integers(within, within + 2**40)),
     )
     parameters = tuple(
         (f"{n}.weight", tuple(draw(st.lists(st.integers(0, 2**31), max_size=3))), "torch.float16")

@@ -10,6 +10,7 @@ import torch
 
 import flextensor
 from flextensor.errors import NotOffloadedError, ProfileError
+from flextensor.layout import minimal_arena_bytes
 from real_models import llama_inputs, tiny_llama
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
@@ -80,6 +81,26 @@ def test_profile_of_another_model_is_refused_naming_the_difference(tmp_path: Pat
         flextensor.offload(
             make_spec_model(), flextensor.OffloadConfig(include_patterns=["layers.*"], profile=path, **CPU)
         )
+
+
+def test_a_profile_whose_arena_is_beyond_its_budget_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    """Adopted, such a plan (hand-edited, or damaged) failed in the allocator (an OOM on a GPU)."""
+    path = tmp_path / "llama.json"
+    config = streaming_config(tiny_llama(), ["model.layers.*"])
+    first = flextensor.offload(tiny_llama(), config)
+    _steady(first, llama_inputs())
+    flextensor.save_profile(first, path)
+    data = json.loads(path.read_text())
+    data["plan"]["arena_bytes"] = 1 << 40
+    path.write_text(json.dumps(data))
+    other = tiny_llama()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ProfileError, match=r"inconsistent: plan\.arena_bytes .* budget"):
+        flextensor.offload(other, config.model_copy(update={"profile": path}))
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
+    assert not hasattr(other, "_flextensor_engine")
 
 
 def test_truncated_or_missing_profile_is_a_clear_error(tmp_path: Path) -> None:
@@ -170,7 +191,8 @@ def test_a_profile_whose_run_stopped_streaming_a_unit_starts_the_next_run(tmp_pa
 
 def _profile_keeping_first_block_resident(first: torch.nn.Module, x: torch.Tensor, folder: Path) -> Path:
     """A profile of ``first`` whose plan keeps blocks.0 resident, as a planner with room to spare could
-    have chosen (on a CPU it streams every block)."""
+    have chosen (on a CPU it streams every block), the others streamed through an arena of one block: the
+    tightest budget's, which holds it beside blocks.0."""
     path = folder / "p.json"
     flextensor.offload(first, streaming_config(first, ["blocks.*"]))
     _steady(first, x)
@@ -178,6 +200,8 @@ def _profile_keeping_first_block_resident(first: torch.nn.Module, x: torch.Tenso
     saved = json.loads(path.read_text())
     plan = saved["plan"]
     plan["resident"], plan["streamed"] = ["blocks.0"], [u for u in plan["streamed"] if u != "blocks.0"]
+    sizes = {u["name"]: u["nbytes"] for u in saved["measurements"]["units"]}
+    plan["arena_bytes"] = minimal_arena_bytes([sizes[u] for u in plan["streamed"]])
     path.write_text(json.dumps(saved))
     return path
 

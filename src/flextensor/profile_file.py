@@ -50,9 +50,10 @@ from .json_codec import (
     show,
     to_json_data,
 )
-from .layout import minimal_arena_bytes
+from .layout import UNIT_ALIGNMENT, minimal_arena_bytes
 from .measurements import Measurements
 from .plan import Plan
+from .sizes import align_up
 from .staged_units import HostPlan
 
 __all__ = [
@@ -390,6 +391,25 @@ def _check_consistency(profile: Profile, source: str) -> None:
     needed = minimal_arena_bytes([sizes[u] for u in plan.streamed])
     if plan.arena_bytes < needed:
         raise bad("plan.arena_bytes", f"is {plan.arena_bytes}, less than the {needed} its largest unit needs")
+    _check_arena_bound(plan, sizes, bad)
+
+
+def _check_arena_bound(plan: Plan, sizes: dict[str, int], bad: Any) -> None:
+    """No plan holds more than its budget, nor an arena larger than its streamed units together: adopted,
+    a plan that did would fail in the allocator (an out-of-memory error on a GPU) rather than here."""
+    on_device = sum(sizes[u] for u in plan.resident if u not in plan.mapped)
+    if plan.budget_bytes is not None and plan.arena_bytes + on_device > plan.budget_bytes:
+        raise bad(
+            "plan.arena_bytes",
+            f"is {plan.arena_bytes}: with the {on_device} of its resident units, more than its budget "
+            f"(plan.budget_bytes) of {plan.budget_bytes}",
+        )
+    together = sum(align_up(sizes[u], UNIT_ALIGNMENT) for u in plan.streamed)
+    if plan.arena_bytes > together:
+        raise bad(
+            "plan.arena_bytes",
+            f"is {plan.arena_bytes}, more than the {together} its streamed units take together",
+        )
 
 
 def _at(items: Sequence[str], i: int) -> str:
