@@ -110,6 +110,7 @@ def test_budget_below_the_ring_is_a_clear_error_and_leaves_the_model() -> None:
     with pytest.raises(flextensor.HostBudgetError, match="cannot hold the staging ring") as info:
         flextensor.offload(model, config)
     assert str(slot * slots) in str(info.value)  # says how much to set
+    assert (info.value.needed_bytes, info.value.budget_bytes) == (slot * slots, slot * slots - 1)
     with pytest.raises(flextensor.NotOffloadedError):
         flextensor.status(model)
     assert_all_equal(run_forwards(model, inputs, 1), ref)

@@ -281,9 +281,10 @@ def test_infeasible_budget_names_the_numbers() -> None:
     assert str(info.value) == (
         "budget 4.00 GiB is below the 5.30 GiB this model needs at this input: activations 3.80 GiB, "
         "the two largest units in flight 1.46 GiB, weights that never stream and other tensors on the "
-        "device 41.0 MiB; raise the budget, offload more modules or free what else the process holds on "
-        "the device"
+        "device 41.0 MiB; raise the budget (of an offloaded model: flextensor.set_budget(model, size)), "
+        "offload more modules or free what else the process holds on the device"
     )
+    assert info.value.budget_bytes == 4 * GiB and info.value.needed_bytes == minimal_need_bytes(m)[0]
 
 
 def test_budget_exactly_at_the_minimal_need_is_feasible() -> None:

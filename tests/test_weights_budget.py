@@ -48,8 +48,10 @@ def test_a_weights_budget_plans_without_the_memory_the_serving_engine_holds() ->
 def test_a_weights_budget_below_the_smallest_plan_is_refused() -> None:
     policy = PlanPolicy(DeviceRuntime(torch.device("cpu")), WEIGHTS_OUTSIDE_UNITS + SLOT)
     policy.count_weights_only(lambda: WEIGHTS_OUTSIDE_UNITS)
-    with pytest.raises(BudgetError, match="two largest units in flight"):
+    with pytest.raises(BudgetError, match="two largest units in flight") as info:
         policy.make_plan(served_step())
+    assert info.value.budget_bytes == WEIGHTS_OUTSIDE_UNITS + SLOT
+    assert info.value.needed_bytes > info.value.budget_bytes
 
 
 def test_without_a_budget_a_weights_budget_has_no_device_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from .api import (
     release,
     resident_parameters,
     save_profile,
+    set_budget,
     status,
 )
 from .config import OffloadConfig
@@ -92,6 +93,7 @@ __all__ = [
     "report",
     "resident_parameters",
     "save_profile",
+    "set_budget",
     "status",
     "trace",
 ]

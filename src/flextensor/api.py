@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .budgets import check_units_fit
 from .config import OffloadConfig
 from .device import resolve_device, resolve_target
 from .engine import OffloadEngine
@@ -36,6 +37,7 @@ __all__ = [
     "release",
     "resident_parameters",
     "save_profile",
+    "set_budget",
     "status",
 ]
 
@@ -137,6 +139,7 @@ def offload(
         packing.on_undo(engine.unguard_parameters)
         packing.on_undo(lambda: unmark_offloaded(model))
         packing.on_undo(lambda: model.__dict__.pop(_ENGINE_ATTR, None))
+        check_units_fit(units, engine.policy.mapped, target.budget_bytes)  # see budgets.py
         engine.start()
         profile = None
         if config.profile is not None:
@@ -237,6 +240,28 @@ def release_model(model: nn.Module, device: str | torch.device | None = None) ->
     unmark_offloaded(original)
     delattr(original, _ENGINE_ATTR)
     return model
+
+
+def set_budget(model: nn.Module, budget: int | str | None) -> None:
+    """Raise or lower the device memory budget (``gpu_memory_budget``) of an offloaded model, or of a
+    pipeline, without offloading it again.
+
+    ``budget``: a size such as ``"10GiB"`` or a number of bytes, or None for no budget. Every plan made so
+    far is made again from its saved measurements under it, and the next forward lays its plan out; a model
+    still learning makes its first plan under it. A model whose plan did not fit (BudgetError at each
+    forward) runs again at its next forward. A budget that cannot hold the two largest units in flight, or
+    a plan made so far, raises BudgetError (with ``needed_bytes``), changing nothing.
+    """
+    from .budgets import parse_budget_value, set_engine_budgets
+    from .pipelines import components_of, pipeline_of
+
+    budget_bytes = parse_budget_value(budget)
+    if components_of(model) is None:
+        set_engine_budgets([engine_of(model)], budget_bytes)
+        return
+    pipeline = pipeline_of(model)
+    set_engine_budgets([pipeline.engine(name) for name in pipeline.components], budget_bytes)
+    pipeline.budget_bytes = budget_bytes
 
 
 def offload_units(model: nn.Module) -> list[str]:

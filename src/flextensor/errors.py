@@ -60,11 +60,28 @@ class UnsupportedOperationError(FlexTensorError, RuntimeError):
 
 
 class BudgetError(FlexTensorError, RuntimeError):
-    """The GPU memory budget is below what the model needs at this input."""
+    """The GPU memory budget is below what the model needs at this input.
+
+    ``needed_bytes``: the least budget that would do (for what is known when it is raised);
+    ``budget_bytes``: the budget refused. A program can raise its budget by the difference
+    (``flextensor.set_budget``) without parsing the message."""
+
+    def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
+
+    def __reduce__(self) -> tuple:  # pickled (across processes) with its numbers
+        return (_budget_error, (type(self), str(self), self.needed_bytes, self.budget_bytes))
 
 
 class HostBudgetError(BudgetError):
-    """The host memory budget cannot hold the staging ring that pageable weights are copied through."""
+    """The host memory budget cannot hold the staging ring that pageable weights are copied through
+    (``needed_bytes``: the host budget that would)."""
+
+
+def _budget_error(cls: type[BudgetError], message: str, needed: int, budget: int) -> BudgetError:
+    return cls(message, needed_bytes=needed, budget_bytes=budget)
 
 
 class PlanError(FlexTensorError, ValueError):

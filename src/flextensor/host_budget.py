@@ -120,7 +120,9 @@ class HostBudget:
                 f"host memory budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes) cannot "
                 f"hold the staging ring of {format_bytes(ring_bytes)} ({ring_bytes} bytes: {slots} slots of "
                 f"{format_bytes(slot)}) that the {format_bytes(total - self.budget_bytes)} of weights beyond "
-                "it are copied through; raise host_memory_budget to at least that, or leave it unset"
+                "it are copied through; raise host_memory_budget to at least that, or leave it unset",
+                needed_bytes=ring_bytes,
+                budget_bytes=self.budget_bytes,
             )
         self.ring = StagingRing(slot, slots, self.runtime, self.pin)
         if on_disk:

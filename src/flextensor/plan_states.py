@@ -71,6 +71,7 @@ class PlanStates:
         def _lay_out_to_discover(self) -> None: ...
         def _lay_out_to_learn(self, order: list[Unit]) -> None: ...
         def _finish_discovery(self, discovered: DiscoveryResult) -> None: ...
+        def vacate(self, keep_resident: bool = False) -> int: ...
 
     def _lay_out_to_profile(self) -> None:
         """Stream every unit through a provisional arena (OffloadEngine._lay_out_to_learn); until this
@@ -242,6 +243,39 @@ class PlanStates:
             replace(entry.measurements, baseline_bytes=outside), crowded_bytes=entry.crowded_bytes + grown
         )
         return True
+
+    def plans_under(self, budget_bytes: int | None) -> dict[tuple[str, ...], PlanEntry]:
+        """Every plan made so far, made again from its measurements under ``budget_bytes``; the policy and
+        the plans in place are left as they were (BudgetError when one does not fit)."""
+        kept = self.policy.budget_bytes
+        self.policy.budget_bytes = budget_bytes
+        try:
+            return {
+                signature: replace(entry, plan=self.policy.make_plan(entry.measurements))
+                for signature, entry in self.plans.items()
+            }
+        finally:
+            self.policy.budget_bytes = kept
+
+    def adopt_budget(self, budget_bytes: int | None, plans: dict[tuple[str, ...], PlanEntry]) -> None:
+        """Plan under ``budget_bytes`` from now on, with ``plans`` (:meth:`plans_under`) for the inputs seen:
+        the layout in place is given back and the next forward lays its plan out. A model still learning
+        (or whose plan failed: BudgetError at every forward) makes its next plan under it."""
+        self.policy.budget_bytes = budget_bytes
+        self.policy.failed_peak_bytes = None  # a layout that failed under the old budget says nothing now
+        signature = None if self.current is None else self.current.measurements.input_shapes
+        if signature is not None:
+            self.vacate()  # a plan's layout (a learning one serves any budget)
+        self.plans.update(plans)
+        for known in plans:
+            self.recordings.pop(known, None)  # the next step under each new plan records
+        if signature is not None:
+            self.current, self.laid_out = self.plans[signature], False
+        coded = self.policy.decode_bps is not None
+        if coded and any(not e.plan.coded and self._streams_coded_packs(e.plan) for e in plans.values()):
+            self._hold_uncompressed(next(iter(plans.values())).measurements)  # every plan made again
+        budget = "none" if budget_bytes is None else format_bytes(budget_bytes)
+        logger.info("gpu_memory_budget now %s: %d plan(s) made again", budget, len(plans))
 
     def grown_outside(self, entry: PlanEntry, beside: int) -> int:
         """How much more device memory is allocated outside this model (and outside the ``beside`` bytes a

@@ -341,7 +341,12 @@ def _search_budget(search: _Search, budget: int) -> _Config:
                     best = option
             config = min(options, key=lambda o, c=config: _score(c, o, cheapest))
     if best is None:  # cannot happen once the minimal configuration fits; kept for a clear failure
-        raise BudgetError(f"no configuration fits the budget of {format_bytes(budget)}")
+        least = search.evaluate(frozenset(), _multipliers(search)[0]).memory
+        raise BudgetError(
+            f"no configuration fits the budget of {format_bytes(budget)}",
+            needed_bytes=least,
+            budget_bytes=budget,
+        )
     return best
 
 
@@ -399,8 +404,11 @@ def plan_offload(
             f"budget {short} is below the {needed} this model needs at this input: activations "
             f"{format_bytes(measurements.activation_peak_bytes)}, the two largest units in flight "
             f"{format_bytes(in_flight)}, weights that never stream and other tensors on the device "
-            f"{format_bytes(measurements.baseline_bytes)}; raise the budget, offload more modules or free "
-            "what else the process holds on the device"
+            f"{format_bytes(measurements.baseline_bytes)}; raise the budget (of an offloaded model: "
+            "flextensor.set_budget(model, size)), offload more modules or free what else the process holds "
+            "on the device",
+            needed_bytes=need,
+            budget_bytes=budget_bytes,
         )
     search = _Search(measurements, host)
     if not measurements.units:

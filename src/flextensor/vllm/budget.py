@@ -65,7 +65,9 @@ def count_weights_only(model: nn.Module) -> None:
             "the smallest plan needs under vLLM: the weights outside the offload units "
             f"({format_bytes(outside)}) and room for the two largest units in flight "
             f"({format_bytes(in_flight)}); raise the budget (under vLLM it counts the weights alone; vLLM "
-            "sizes the KV cache and activations from what is left)"
+            "sizes the KV cache and activations from what is left)",
+            needed_bytes=outside + in_flight,
+            budget_bytes=budget,
         )
     # Compressed packs load through staging slots the plans count too (see [Note: coded loads]); without
     # room for them the plans give compression up (see [Note: compression yields to the budget]).
