@@ -261,6 +261,32 @@ def test_a_pipeline_shares_the_host_budget_by_weight_bytes() -> None:
     flextensor.release(parts)
 
 
+@torch.no_grad()
+def test_a_pipeline_host_budget_too_small_names_the_component_and_what_the_pipeline_needs() -> None:
+    """Each component gets a share of the host budget: the error names the component whose share holds
+    neither its packs nor its ring, and the budget the pipeline needs, which then works (it used to ask
+    for the component's ring as the pipeline's budget, which failed again)."""
+    torch.manual_seed(0)
+    parts = {
+        "big": torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(6))),
+        "small": torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(2))),
+    }
+    x = torch.randn(2, 128)
+    expected = parts["small"](parts["big"](x))
+    slot, slots = staging_layout(pack_layout(list(parts["big"][0].named_parameters()))[1])
+    budget = slot * slots  # one ring (the same for both): the small one's share, 1/4 of it, is the short one
+    with pytest.raises(flextensor.HostBudgetError, match=r"component 'small' gets 36\.0 KiB") as info:
+        flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", host_memory_budget=budget))
+    needed = info.value.needed_bytes
+    assert info.value.budget_bytes == budget and needed > budget and str(needed) in str(info.value)
+    with pytest.raises(flextensor.NotOffloadedError):
+        flextensor.phase(parts)
+    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", host_memory_budget=needed))
+    outputs = [parts["small"](parts["big"](x)) for _ in range(LEARN + 1)]
+    assert all(torch.equal(out, expected) for out in outputs)
+    flextensor.release(parts)
+
+
 def test_switching_plans_between_inputs_stays_bitwise_and_within_the_budget() -> None:
     # Two input shapes, two plans (like prefill and decode): each layout re-pins only to make room.
     model = tiny_llama(layers=6)

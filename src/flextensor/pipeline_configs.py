@@ -4,13 +4,18 @@ and its share of the host budget (see [Note: one budget for a pipeline] in pipel
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
 
 from .config import OffloadConfig
-from .errors import ConfigError
+from .errors import ConfigError, HostBudgetError
+from .host_store import PAGE, pack_layout
 from .patterns import is_class_pattern
+from .selection import select
+from .sizes import align_up, format_bytes
+from .staging import staging_layout
 
 __all__ = ["component_configs", "default_unit_patterns", "maps_by_default", "split_host_budget"]
 
@@ -160,7 +165,56 @@ def split_host_budget(
     held at once (unlike their device bytes, which they hold in turn)."""
     sizes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in components.items()}
     total = sum(sizes.values()) or 1
+    _check_host_shares(configs, components, sizes, host_budget)
     return {
         n: c.model_copy(update={"host_memory_budget": max(1, host_budget * sizes[n] // total)})
         for n, c in configs.items()
     }
+
+
+def _check_host_shares(
+    configs: dict[str, OffloadConfig],
+    components: dict[str, nn.Module],
+    sizes: dict[str, int],
+    host_budget: int,
+) -> None:
+    """HostBudgetError, before anything changes, when a component's share of ``host_budget`` can hold
+    neither all its packs nor the staging ring the rest is copied through (see host_budget.py); it names
+    the component and the host budget the whole pipeline needs, not that component's share."""
+    total = sum(sizes.values()) or 1
+    worst: tuple[int, str, int] | None = None
+    for name, module in components.items():
+        held = _unit_pack_bytes(module, configs[name])
+        if not held or not sizes[name]:
+            continue
+        slot, slots = staging_layout(max(nbytes for nbytes, _ in held))
+        least = min(sum(pages for _, pages in held), slot * slots)  # all its packs, or else the ring
+        pipeline_needs = -(-least * total // sizes[name])
+        if worst is None or pipeline_needs > worst[0]:
+            worst = (pipeline_needs, name, least)
+    if worst is None or host_budget >= worst[0]:
+        return
+    needed, name, least = worst
+    share = max(1, host_budget * sizes[name] // total)
+    raise HostBudgetError(
+        f"host_memory_budget {format_bytes(host_budget)} ({host_budget} bytes) is too small for this "
+        f"pipeline: it is shared between the components by their weights' bytes, and component {name!r} "
+        f"gets {format_bytes(share)} of it, which holds neither its packs nor the {format_bytes(least)} "
+        f"staging ring its other weights are copied through; give the pipeline a host_memory_budget of at "
+        f"least {format_bytes(needed)} ({needed} bytes), or leave it unset",
+        needed_bytes=needed,
+        budget_bytes=host_budget,
+    )
+
+
+def _unit_pack_bytes(module: nn.Module, config: OffloadConfig) -> list[tuple[int, int]]:
+    """(bytes, page-rounded bytes held) of each unit pack ``offload()`` would build for ``module``."""
+    with warnings.catch_warnings():  # offload() warns of what it selects itself, once
+        warnings.simplefilter("ignore")
+        selection = select(module, config.include_patterns, config.exclude_patterns)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    packs = []
+    for unit in selection.units:
+        nbytes = pack_layout([(n, params[n]) for n in selection.unit_parameters[unit]])[1]
+        packs.append((nbytes, align_up(max(nbytes, 1), PAGE)))
+    return packs
