@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -32,6 +33,24 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
         while flextensor.phase(model) != "inference":
             model(llama_inputs())
     flextensor.save_profile(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipeline_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The profile of a pipeline (a mapping of two stacks of linear layers), saved in steady state."""
+    path = tmp_path_factory.mktemp("profiles") / "pipeline.json"
+    torch.manual_seed(0)
+    parts = {
+        name: torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3))) for name in ("enc", "dec")
+    }
+    flextensor.offload(parts, flextensor.OffloadConfig(device="cpu", include_patterns=["enc.*", "dec.*"]))
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        while flextensor.phase(parts) != "inference":
+            parts["dec"](parts["enc"](x))
+    flextensor.save_profile(parts, path)
+    flextensor.release(parts)
     return path
 
 
@@ -98,6 +117,27 @@ def test_plan_times_staged_copies_as_the_host_budget_did(
     assert expected.predicted_step_s > pinned.predicted_step_s
     assert main(["profile", "show", str(path)]) == 0
     assert "host budget" in capsys.readouterr().out
+
+
+def test_profile_show_and_plan_read_a_pipelines_profile(
+    pipeline_profile_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(pipeline_profile_path)
+    assert main(["profile", "show", path]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"components +enc, dec", out), out
+    for name in ("enc", "dec"):
+        assert f"component {name}" in out
+    assert out.count("units, in execution order") == 2 and "predicted step" in out
+    assert main(["plan", path, "--budget", "100KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "component enc" in out and "component dec" in out and out.count("plan for") == 2
+    assert out.count("predicted steady step, per unit") == 2
+    assert main(["plan", path, "--budget", "8KiB..1MiB", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("plans over budgets") == 2 and "below" in out  # 8 KiB holds no two layers
+    assert main(["plan", path, "--budget", "8KiB"]) == 2
+    assert "component 'enc'" in _one_error_line(capsys.readouterr().err)
 
 
 def test_parse_budget() -> None:

@@ -87,13 +87,37 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 # -- profile show -------------------------------------------------------------------------------------------
 
 
+def _load_profiles(path: str) -> dict[str, Profile]:
+    """The profile at ``path`` by component: ``{"": profile}`` for one model's, every component's for a
+    pipeline's (see pipeline_profile.py)."""
+    from .pipeline_profile import is_pipeline_profile, read_pipeline_profile
+    from .profile_file import profile_from_dict, read_profile_json
+
+    data = read_profile_json(path)
+    if is_pipeline_profile(data):
+        return read_pipeline_profile(path, data)
+    return {"": profile_from_dict(data, source=path)}
+
+
 def _cmd_profile_show(args: argparse.Namespace) -> int:
+    profiles = _load_profiles(args.path)
+    console = _console()
+    if "" not in profiles:  # a pipeline's: each component's profile in turn
+        about = _grid()
+        about.add_row("pipeline profile", str(args.path))
+        about.add_row("components", ", ".join(profiles))
+        console.print(about)
+    for name, profile in profiles.items():
+        if name:
+            console.print()
+            console.rule(f"component {name}")
+        _show_profile(console, profile, args.path)
+    return EXIT_OK
+
+
+def _show_profile(console: Console, profile: Profile, path: str) -> None:
     from rich.table import Table
 
-    from .profile_file import load_profile_file
-
-    profile = load_profile_file(args.path)
-    console = _console()
     fp = profile.fingerprint
     elements = 0
     for _, shape, _ in fp.parameters:
@@ -103,7 +127,7 @@ def _cmd_profile_show(args: argparse.Namespace) -> int:
         elements += count
 
     about = _grid()
-    about.add_row("profile", str(args.path))
+    about.add_row("profile", str(path))
     about.add_row("written", f"by flextensor {profile.flextensor_version} at {profile.created_at}")
     about.add_row("device", fp.device_name)
     about.add_row("torch", fp.torch_version)
@@ -143,7 +167,6 @@ def _cmd_profile_show(args: argparse.Namespace) -> int:
             placement.get(unit.name, "-"),
         )
     console.print(table)
-    return EXIT_OK
 
 
 def _grid(title: str | None = None) -> Any:
@@ -218,19 +241,33 @@ def _measurement_summary(measurements: Measurements, host: HostPlan | None = Non
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .profile_file import load_profile_file
-
+    """A pipeline's components run in turn, each planned under the whole budget: each gets its plan."""
     budgets = parse_budget(args.budget, args.steps)
-    profile = load_profile_file(args.path)
-    measurements = profile.measurements
+    profiles = _load_profiles(args.path)
     console = _console()
-    if len(budgets) == 1:
-        plan = _plan(profile, budgets[0])  # BudgetError: one line, status 2
+    if len(budgets) > 1:
+        for name, profile in profiles.items():
+            if name:
+                console.rule(f"component {name}")
+            console.print(_budget_table(profile, budgets))
+        return EXIT_OK
+    plans = {}
+    for name, profile in profiles.items():  # every one planned before anything is printed
+        try:
+            plans[name] = _plan(profile, budgets[0])
+        except BudgetError as e:  # one line, status 2
+            if not name:
+                raise
+            raise BudgetError(
+                f"component {name!r}: {e}", needed_bytes=e.needed_bytes, budget_bytes=e.budget_bytes
+            ) from None
+    for name, plan in plans.items():
+        measurements = profiles[name].measurements
+        if name:
+            console.rule(f"component {name}")
         console.print(_plan_summary(plan, measurements, title=f"plan for {args.path}"))
         console.print()
         console.print(_simulated_units(plan, measurements))
-        return EXIT_OK
-    console.print(_budget_table(profile, budgets))
     return EXIT_OK
 
 
@@ -364,7 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a profile's plan, measurements and fingerprint",
         description="Print a saved profile's plan, per-unit measurements and fingerprint.",
     )
-    show.add_argument("path", help="profile file written by flextensor.save_profile()")
+    show.add_argument(
+        "path", help="profile file written by flextensor.save_profile() (of a model or a pipeline)"
+    )
     show.set_defaults(handler=_cmd_profile_show)
     profile.set_defaults(handler=lambda args: _missing_action(profile))
 
@@ -376,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
             "predicted step time and peak memory for a budget, or a table over a range of budgets."
         ),
     )
-    plan.add_argument("path", help="profile file written by flextensor.save_profile()")
+    plan.add_argument(
+        "path", help="profile file written by flextensor.save_profile() (of a model or a pipeline)"
+    )
     plan.add_argument(
         "--budget",
         default="none",

@@ -34,7 +34,7 @@ from .profile_file import (
     write_profile_json,
 )
 
-__all__ = ["load_pipeline_profile", "save_pipeline_profile"]
+__all__ = ["is_pipeline_profile", "load_pipeline_profile", "read_pipeline_profile", "save_pipeline_profile"]
 
 _REPROFILE = "delete it to re-profile the pipeline"
 
@@ -65,8 +65,24 @@ def load_pipeline_profile(path: str | os.PathLike[str], components: set[str]) ->
     """The profile of each of ``components`` from the pipeline profile at ``path``; ProfileError naming
     the file for anything else (a model's profile, another set of components, a bad component entry)."""
     path = os.fspath(path)
-    data = read_profile_json(path)
-    if not isinstance(data, dict) or data.get("format") != PIPELINE_PROFILE_FORMAT:
+    profiles = read_pipeline_profile(path, read_profile_json(path))
+    if set(profiles) != components:
+        raise ProfileError(
+            f"profile {path} was saved for the components {sorted(profiles)}, but this pipeline offloads "
+            f"{sorted(components)}: it belongs to another pipeline or other patterns; {_REPROFILE}"
+        )
+    return profiles
+
+
+def is_pipeline_profile(data: Any) -> bool:
+    """Whether parsed profile JSON is a whole pipeline's (see [Note: pipeline profile format])."""
+    return isinstance(data, dict) and data.get("format") == PIPELINE_PROFILE_FORMAT
+
+
+def read_pipeline_profile(path: str, data: Any) -> dict[str, Profile]:
+    """Every component's profile from ``data``, the parsed JSON of the pipeline profile at ``path``
+    (``flextensor profile show`` and ``plan`` read one without its pipeline)."""
+    if not is_pipeline_profile(data):
         what = "one model's profile" if isinstance(data, dict) and "fingerprint" in data else "not one"
         raise ProfileError(
             f"profile {path} is not a pipeline's profile ({what}); a pipeline reloads the file that "
@@ -84,11 +100,6 @@ def load_pipeline_profile(path: str | os.PathLike[str], components: set[str]) ->
     saved: Any = data.get("components")
     if not isinstance(saved, dict):
         raise ProfileError(f"profile {path} has no 'components' object; {_REPROFILE}")
-    if set(saved) != components:
-        raise ProfileError(
-            f"profile {path} was saved for the components {sorted(saved)}, but this pipeline offloads "
-            f"{sorted(components)}: it belongs to another pipeline or other patterns; {_REPROFILE}"
-        )
     return {
         name: profile_from_dict(entry, source=f"{path}, component {name!r}") for name, entry in saved.items()
     }
