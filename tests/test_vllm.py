@@ -215,8 +215,9 @@ def test_bad_options_are_refused_and_leave_vllm_as_it_was(tiny_llama: Path, tmp_
         assert option in got[name]["message"] and "gpu_memory_budget" in got[name]["message"]
     assert got["no_such_units"]["error"] == "SelectionError", got["no_such_units"]
     assert "no.such.module" in got["no_such_units"]["message"]
-    # Below the weights outside the layers plus two layers in flight: refused while loading.
+    # Below two layers in flight: refused by offload() while loading, saying what the budget counts here.
     assert got["budget_too_small"]["error"] == "BudgetError", got["budget_too_small"]
+    assert "in flight" in got["budget_too_small"]["message"]
     assert "counts the weights alone" in got["budget_too_small"]["message"]
     # A refused load leaves vLLM's own offloader (the one its model runner installed) in place.
     assert "FlexTensorOffloader" not in {r["offloader"] for r in got.values()}

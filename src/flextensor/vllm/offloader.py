@@ -37,6 +37,7 @@ from vllm.model_executor.offloader.base import BaseOffloader
 
 from flextensor.api import engine_of, offload, release
 from flextensor.config import OffloadConfig
+from flextensor.errors import BudgetError
 from flextensor.profile_reuse import start_from_profile
 
 from .budget import count_weights_only, hold_budget_in_reserve
@@ -137,7 +138,15 @@ class FlexTensorOffloader(BaseOffloader):
             config = config.model_copy(update={"include_patterns": self.unit_patterns(model)})
         # The profile is adopted once the budget counts the weights alone: a profile planned for another
         # budget is planned again here, and must not count the KV cache its measurements saw.
-        offload(model, config.model_copy(update={"profile": None}))
+        try:
+            offload(model, config.model_copy(update={"profile": None}))
+        except BudgetError as error:  # below the units in flight (budgets.py): say what it counts here
+            raise BudgetError(
+                f"{error} (under vLLM the budget counts the weights alone, those outside the layers too; "
+                "vLLM sizes the KV cache and activations from what is left)",
+                needed_bytes=error.needed_bytes,
+                budget_bytes=error.budget_bytes,
+            ) from None
         engine = engine_of(model)
         # vLLM's compiled graphs read some weights through .data (its RMSNorm): order the compiled ops by
         # the layers' activations (see compiled.written_inputs), and give the parameters their own class
