@@ -1,8 +1,9 @@
-"""Probe: are HF ``generate()`` tokens of the Llama-3.1-8B config (random bf16 weights) the same natively, across
-processes, and offloaded under a budget? Where they differ, which decode step and which decoder layer first.
+"""Probe: are HF ``generate()`` tokens of the Llama-3.1-8B config (random bf16 weights) the same natively,
+across processes, and offloaded under a budget? Where they differ, which decode step and which decoder layer
+first.
 
-Each run is its own process (``native`` twice, then ``ours`` under each budget), so cross-process repeatability
-is measured; each records the greedy tokens, every step's logits and every decoder layer's last-token output,
+Each run is its own process (``native`` twice, then ``ours`` under each budget), so cross-process
+repeatability is measured; each records the greedy tokens, every step's logits and every decoder layer's last-token output,
 and ``compare`` names the first step, the first layer and the largest difference.
     device tool: carry [".whl"], command: source scripts/gpu_env.sh; bash scripts/probe_generate.sh
 """

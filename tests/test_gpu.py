@@ -80,12 +80,17 @@ def _greedy(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> tuple[torch
     return out.sequences.cpu(), torch.stack(out.logits).cpu()
 
 
-def test_generate_tokens_and_logits_on_cuda_are_native_while_layers_stream() -> None:
-    """HF ``generate()`` (prefill, then decode steps on a growing cache): the greedy tokens and every step's
-    logits are native's, in the learning forwards and in steady state, with decoder layers streamed."""
+def test_generate_tokens_on_cuda_are_native_and_logits_as_repeatable_as_native_while_layers_stream() -> None:
+    """HF ``generate()`` (prefill, then decode steps on a growing cache): the greedy tokens are native's, in
+    the learning forwards and in steady state, with decoder layers streamed. Native decode is not bitwise
+    repeatable on an H100 (scripts/probe_generate.py: the logits of two native generates in one process part
+    from the 11th-13th step by up to 0.06 on the Llama-3.1-8B config), so the logits must differ from a
+    native run's by no more than a second native run does: bitwise where native repeats itself."""
     ids = torch.randint(0, 4096, (1, 512), generator=torch.Generator().manual_seed(3)).cuda()
     native = medium_llama().cuda()
     expected_tokens, expected_logits = _greedy(native, ids, 48)
+    _, again = _greedy(native, ids, 48)
+    native_spread = (again - expected_logits).abs().max().item()
     del native
     torch.cuda.empty_cache()
     config = flextensor.OffloadConfig(include_patterns=["model.layers.*"], gpu_memory_budget="200MiB")
@@ -93,7 +98,8 @@ def test_generate_tokens_and_logits_on_cuda_are_native_while_layers_stream() -> 
     for run in range(2):  # the first generate learns (discovery, profiling), the second runs the plan
         tokens, logits = _greedy(model, ids, 48)
         assert torch.equal(tokens, expected_tokens), f"generate {run}: tokens differ"
-        assert torch.equal(logits, expected_logits), f"generate {run}: logits differ"
+        worst = (logits - expected_logits).abs().max().item()
+        assert worst <= 2 * native_spread, f"generate {run}: logits off by {worst}, native by {native_spread}"
     assert flextensor.phase(model) == "inference"
     plan = flextensor.status(model).plan
     assert plan is not None and len(plan.streamed) >= 4  # the streaming path ran
