@@ -3,8 +3,8 @@ across processes, and offloaded under a budget? Where they differ, which decode 
 first.
 
 Each run is its own process (``native`` twice, then ``ours`` under each budget), so cross-process
-repeatability is measured; each records the greedy tokens, every step's logits and every decoder layer's last-token output,
-and ``compare`` names the first step, the first layer and the largest difference.
+repeatability is measured; each records the greedy tokens, every step's logits and every decoder layer's
+last-token output, and ``compare`` names the first step, the first layer and the largest difference.
     device tool: carry [".whl"], command: source scripts/gpu_env.sh; bash scripts/probe_generate.sh
 """
 
