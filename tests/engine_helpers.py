@@ -28,6 +28,10 @@ LEARN = 2 + EXTRA_FORWARDS
 state for certain: timing noise (another process on a 2-core machine) may add the extra profiling
 forwards of [Note: robust measurements] in profiling.py."""
 
+LEARN_COMPILED = LEARN + EXTRA_FORWARDS
+"""The same under torch.compile: a profiling forward during which the compiler ran is left out, up to
+``EXTRA_FORWARDS`` of them (learning.py, ``compiler_ran``), besides the noisy ones."""
+
 RESIDENT = ("resident", "device_only")
 """The placements of a unit with device storage of its own."""
 
@@ -53,6 +57,16 @@ def run_forwards(model: nn.Module, inputs: object, n: int = 4) -> list[torch.Ten
             out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
             outs.append(first_tensor(out))
     return outs
+
+
+def run_until_steady(model: nn.Module, runner: nn.Module, inputs: object, limit: int) -> int:
+    """Forwards of ``runner`` (``model`` or a compiled ``model``) until ``model`` is in steady state, at
+    most ``limit``; how many ran. The count of learning forwards depends on timing noise."""
+    for count in range(1, limit + 1):
+        run_forwards(runner, inputs, 1)
+        if flextensor.phase(model) == "inference":
+            return count
+    return limit
 
 
 def first_tensor(out: object) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import flextensor
-from engine_helpers import LEARN, install_placement, run_forwards
+from engine_helpers import LEARN, LEARN_COMPILED, install_placement, run_forwards, run_until_steady
 from flextensor.api import engine_of
 from flextensor.errors import UnsupportedOperationError
 from flextensor.plan_policy import input_signature
@@ -335,7 +335,7 @@ def test_under_torch_compile_a_late_nesting_is_refused_before_a_wrong_output_the
             expected = compiled(reference)(X)
         torch._dynamo.reset()
         model = _offloaded()
-        run_forwards(compiled(model), X, LEARN)
+        run_until_steady(model, compiled(model), X, LEARN_COMPILED)
         assert flextensor.phase(model) == "inference"
         engine_of(model).store.runtime.counts_memory = not room  # the tightest budget: no room then
         model.nest_in = nest_in
