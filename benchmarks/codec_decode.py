@@ -83,8 +83,8 @@ def encode_breakdown(weights: list[torch.Tensor]) -> None:
     whole and profiled by operator."""
     from torch.profiler import ProfilerActivity, profile
 
-    from flextensor.coded_packs import CodedPack
-    from flextensor.host_store import pack_layout
+    from flextensor.host.coded_packs import CodedPack
+    from flextensor.host.packs import pack_layout
 
     entries, nbytes = pack_layout([(f"w{i}", w) for i, w in enumerate(weights)])
     buffer = torch.empty(nbytes, dtype=torch.uint8).pin_memory()

@@ -74,10 +74,10 @@ def _tightest_budget(model: nn.Module, config_fields: dict, x: torch.Tensor, pat
     (the timed run starts from it: a second profiling may measure a few activation bytes more, and the
     budget would then be just short), ask the planner."""
     import flextensor
-    from flextensor.planner import minimal_need_bytes
+    from flextensor.plan.planner import minimal_need_bytes
 
     try:
-        from flextensor.profile_file import load_profile_file
+        from flextensor.profiles.file import load_profile_file
     except ImportError:  # the engine before its redesign (benchmarked for the before/after numbers)
         from flextensor.profile import load_profile_file  # type: ignore[no-redef]
 
@@ -99,7 +99,7 @@ def _offloaded_copy(model: nn.Module, x: torch.Tensor, device: torch.device, pla
     """``model`` offloaded under the tightest budget and brought to steady state; ``plain``: with the
     plain steady step (torch's calls) instead of the direct runtime calls."""
     import flextensor
-    import flextensor.device
+    import flextensor.device.runtime
 
     model = copy.deepcopy(model)
     fields = {"include_patterns": ["layers.*"], "device": str(device)}
@@ -107,7 +107,7 @@ def _offloaded_copy(model: nn.Module, x: torch.Tensor, device: torch.device, pla
         profile = os.path.join(tmp, "profile.json")
         budget = _tightest_budget(model, fields, x, profile)
         config = flextensor.OffloadConfig(gpu_memory_budget=budget, profile=profile, **fields)
-        runtime = flextensor.device.DeviceRuntime
+        runtime = flextensor.device.runtime.DeviceRuntime
         direct_calls = getattr(runtime, "direct_calls", None)
         if plain and direct_calls is not None:
             runtime.direct_calls = lambda self: None  # type: ignore[method-assign]

@@ -97,7 +97,7 @@ def _prepare_ours(ms: MethodSpec, model: Any, device: str, nbytes: dict[str, int
 
     def details() -> dict[str, Any]:
         try:
-            from flextensor.pipelines import pipeline_of
+            from flextensor.pipelines.pipeline import pipeline_of
 
             switches = pipeline_of(pipe)  # how the components switched: at steps, ahead, at a run's end
             counters = {k: getattr(switches, k) for k in ("vacated", "laid_out_ahead", "switched_at_run_end")}

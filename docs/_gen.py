@@ -27,9 +27,9 @@ ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 import flextensor  # noqa: E402
-from flextensor import config_sources  # noqa: E402
-from flextensor.cli import build_parser  # noqa: E402
-from flextensor.reporting import Report, UnitReport  # noqa: E402
+from flextensor.cli.main import build_parser  # noqa: E402
+from flextensor.config import sources as config_sources  # noqa: E402
+from flextensor.observe.report import Report, UnitReport  # noqa: E402
 
 API_PATH = DOCS / "api.md"
 CONFIG_PATH = DOCS / "configuration.md"
@@ -461,7 +461,7 @@ def render_api() -> str:
     out += [
         "## Returned types",
         "",
-        "Not importable from `flextensor` itself (import them from `flextensor.reporting` if you need "
+        "Not importable from `flextensor` itself (import them from `flextensor.observe.report` if you need "
         "them for annotations), but returned by the functions above.",
         "",
     ]

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flextensor.cudart_calls import loaded_cudart_path
+from flextensor.device.cudart import loaded_cudart_path
 
 torch.cuda.init()
 lib = ctypes.CDLL(loaded_cudart_path())

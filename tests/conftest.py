@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flextensor import shared_store
+from flextensor.host.shared import store as shared_store
 
 
 @pytest.fixture
@@ -30,4 +30,4 @@ def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 @pytest.fixture
 def fast_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decoder faster than any link: every unit's coded load pays."""
-    monkeypatch.setattr("flextensor.pack_compression.probe_decode", lambda runtime, pack, destination: 1e15)
+    monkeypatch.setattr("flextensor.store.coded_loads.probe_decode", lambda runtime, pack, destination: 1e15)

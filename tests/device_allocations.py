@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from flextensor import slots
+from flextensor.store import device_store as slots
 
 
 class _Buffer(bytearray):

@@ -15,9 +15,9 @@ from torch import nn
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.layout import provisional_arena_bytes
-from flextensor.plan_policy import input_signature
-from flextensor.profiling import EXTRA_FORWARDS
+from flextensor.engine.policy import input_signature
+from flextensor.phases.profiling import EXTRA_FORWARDS
+from flextensor.plan.layout import provisional_arena_bytes
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
 
@@ -26,11 +26,11 @@ CPU = {"device": "cpu"}
 LEARN = 2 + EXTRA_FORWARDS
 """Forwards that take a model with the default config (one discovery, one profiling forward) to steady
 state for certain: timing noise (another process on a 2-core machine) may add the extra profiling
-forwards of [Note: robust measurements] in profiling.py."""
+forwards of [Note: robust measurements] in phases/profiling.py."""
 
 LEARN_COMPILED = LEARN + EXTRA_FORWARDS
 """The same under torch.compile: a profiling forward during which the compiler ran is left out, up to
-``EXTRA_FORWARDS`` of them (learning.py, ``compiler_ran``), besides the noisy ones."""
+``EXTRA_FORWARDS`` of them (phases/learning.py, ``compiler_ran``), besides the noisy ones."""
 
 RESIDENT = ("resident", "device_only")
 """The placements of a unit with device storage of its own."""

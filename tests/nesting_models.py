@@ -1,4 +1,4 @@
-"""Models whose units nest only after learning (see [Note: nested calls] in nested_calls.py), shared by
+"""Models whose units nest only after learning (see [Note: nested calls] in store/nesting.py), shared by
 tests/test_nested_calls.py (CPU) and tests/test_gpu.py."""
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from torch import nn
 
 import flextensor
-from flextensor.host_store import pack_layout
-from flextensor.layout import minimal_arena_bytes
-from flextensor.selection import select
+from flextensor.host.packs import pack_layout
+from flextensor.plan.layout import minimal_arena_bytes
+from flextensor.weights.selection import select
 
 
 def streaming_config(

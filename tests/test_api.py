@@ -11,7 +11,7 @@ from torch import nn
 
 import flextensor
 import flextensor.api
-import flextensor.packing
+import flextensor.weights.packing
 from engine_helpers import (
     CPU,
     LEARN,
@@ -19,8 +19,8 @@ from engine_helpers import (
     offload_with_placements,
     run_forwards,
 )
+from flextensor.engine.policy import input_signature
 from flextensor.errors import AlreadyOffloadedError, NotOffloadedError, SelectionError
-from flextensor.plan_policy import input_signature
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
 
@@ -106,7 +106,7 @@ def test_failure_inside_offload_leaves_model_exactly_as_it_was(monkeypatch: pyte
     model = make_spec_model()
     before = {k: (v.clone(), v.device, v.dtype) for k, v in model.state_dict().items()}
     params_before = dict(model.named_parameters())
-    real_pack = flextensor.packing.pack_unit
+    real_pack = flextensor.weights.packing.pack_unit
     calls = {"n": 0}
 
     def failing_pack(*args, **kwargs):
@@ -115,7 +115,7 @@ def test_failure_inside_offload_leaves_model_exactly_as_it_was(monkeypatch: pyte
             raise RuntimeError("simulated failure while packing")
         return real_pack(*args, **kwargs)
 
-    monkeypatch.setattr(flextensor.packing, "pack_unit", failing_pack)
+    monkeypatch.setattr(flextensor.weights.packing, "pack_unit", failing_pack)
     with pytest.raises(RuntimeError, match="simulated"):
         flextensor.offload(model, flextensor.OffloadConfig(**CPU))
     assert calls["n"] == 3
@@ -192,7 +192,7 @@ def test_a_release_interrupted_after_a_pack_was_freed_is_finished_by_the_next(
     """Ctrl-C in release() after the parameters got their own copies, while the packs are freed: the
     model computes and saves right already, and a second release() finishes (it used to rebuild the
     copies from the packs already freed: "unit 'layers.0' lost its weights")."""
-    from flextensor.host_store import UnitPack
+    from flextensor.host.packs import UnitPack
 
     before = copy.deepcopy(make_spec_model().state_dict())
     placements = {8: ("embed", "layers.0", "lm_head")}  # resident units (packs dropped) and streamed ones

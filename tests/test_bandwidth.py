@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from flextensor import bandwidth
-from flextensor.bandwidth import PROBE_MIN_BYTES, probe_link, probe_sizes
-from flextensor.device import DeviceRuntime
+from flextensor.device import link as bandwidth
+from flextensor.device.link import PROBE_MIN_BYTES, probe_link, probe_sizes
+from flextensor.device.runtime import DeviceRuntime
 
 MiB = 2**20
 

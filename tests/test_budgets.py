@@ -14,9 +14,9 @@ import flextensor
 from engine_helpers import LEARN
 from flextensor import api
 from flextensor.errors import BudgetError, ConfigError, NotOffloadedError
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.pipelines import pipeline_of
-from flextensor.planner import plan_offload
+from flextensor.pipelines.pipeline import pipeline_of
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.planner import plan_offload
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 

@@ -393,7 +393,7 @@ def test_cuda_meta_llama_from_checkpoint_is_bitwise(layout: str, saved, llama) -
 @pytest.mark.gpu
 @needs_cuda
 def test_probe_measures_parallel_registration() -> None:
-    from flextensor.probe import measure_parallel_host_register
+    from flextensor.observe.probe import measure_parallel_host_register
 
     measured = measure_parallel_host_register(16 << 20, threads=4, repeats=1)
     assert measured.nbytes == 4 * (16 << 20) and measured.gbps > 0

@@ -1,4 +1,4 @@
-"""offload(weights=PATH) reads the offloaded units in the background (checkpoint.py, [Note: reading while
+"""offload(weights=PATH) reads the offloaded units in the background (host/checkpoint.py, [Note: reading while
 the model runs]): it returns before they are read, the first forward waits for each unit it needs and is
 bitwise right, a read that fails fails every use of that unit, and a failed offload waits for its reads
 before it frees their memory."""
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import flextensor
-import flextensor.checkpoint as checkpoint
+import flextensor.host.checkpoint as checkpoint
 from engine_helpers import LEARN, assert_all_equal, first_tensor, run_forwards
 from flextensor import CheckpointError, NotOffloadedError
 from real_models import llama_inputs, tiny_llama
@@ -150,7 +150,7 @@ def test_a_pin_the_system_refuses_leaves_the_unit_readable_and_pageable(
     below the budget) logs a warning and the pack is read pageable, as the host budget's own pinning does,
     instead of failing every use of the unit."""
     from flextensor.errors import PinningError
-    from flextensor.host_store import UnitPack
+    from flextensor.host.packs import UnitPack
 
     path, reference, _ = saved
     model = meta_llama(reference)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import flextensor
-from flextensor.cli import main, parse_budget
+from flextensor.cli.main import main, parse_budget
 from flextensor.errors import ConfigError
-from flextensor.profiling import EXTRA_FORWARDS
+from flextensor.phases.profiling import EXTRA_FORWARDS
 from real_models import llama_inputs, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,10 +98,10 @@ def test_plan_times_staged_copies_as_the_host_budget_did(
     streamed unit is staged at the slower staged speed, and the predicted step is longer."""
     import dataclasses
 
-    from flextensor.measurements import LinkModel
-    from flextensor.planner import plan_offload
-    from flextensor.profile_file import load_profile_file, save_profile_file
-    from flextensor.staged_units import HostPlan
+    from flextensor.plan.host_plan import HostPlan
+    from flextensor.plan.measurements import LinkModel
+    from flextensor.plan.planner import plan_offload
+    from flextensor.profiles.file import load_profile_file, save_profile_file
 
     profile = load_profile_file(profile_path)
     slow = LinkModel(points=((1 << 20, 1e6),))  # 1 MB/s: staged copies dominate the step
@@ -198,7 +198,7 @@ def test_probe_result_renders_and_serialises() -> None:
 
     from rich.console import Console
 
-    from flextensor.probe import CopyMeasurement, PinMeasurement, ProbeResult
+    from flextensor.observe.probe import CopyMeasurement, PinMeasurement, ProbeResult
 
     mib = 2**20
     result = ProbeResult(
@@ -253,14 +253,14 @@ def test_demo_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_run_demo_falls_back_to_an_mlp_stack(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flextensor.demo import run_demo
+    from flextensor.cli.demo import run_demo
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     result = run_demo("cpu", layers=3, hidden=32, steps=1, seq=4)
     assert result["model"].startswith("MLP stack")
     assert result["bitwise_equal"] is True and result["max_abs_diff"] == 0.0
     # One discovery and one profiling forward; up to EXTRA_FORWARDS more when a loaded machine's timings
-    # disagree (see [Note: robust measurements] in profiling.py).
+    # disagree (see [Note: robust measurements] in phases/profiling.py).
     assert 2 <= result["forwards_to_steady"] <= 2 + EXTRA_FORWARDS
     # An all-resident plan holds the weights plus alignment padding (512 B per parameter): tiny here.
     assert 0 < result["offloaded_weights_bytes"] <= 1.25 * result["weights_bytes"]
@@ -291,4 +291,4 @@ def test_entry_point(profile_path: Path) -> None:
 
 def test_console_script_is_declared() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["flextensor"] == "flextensor.cli:main"
+    assert pyproject["project"]["scripts"]["flextensor"] == "flextensor.cli.main:main"

@@ -216,8 +216,8 @@ def test_packs_held_uncompressed_again_are_decoded_on_the_gpu_bit_for_bit(
     and the model streams them bit for bit."""
     import flextensor
     from flextensor.api import engine_of
-    from flextensor.coded_packs import CodedPack
-    from flextensor.pack_compression import hold_uncompressed
+    from flextensor.host.coded_packs import CodedPack
+    from flextensor.store.coded_loads import hold_uncompressed
 
     model = compressed_medium_llama
     engine = engine_of(model)
@@ -244,9 +244,9 @@ def test_a_budget_without_room_for_the_staging_slots_streams_uncompressed_on_cud
     without coded loads, and both inputs stay bit for bit."""
     import flextensor
     from flextensor.api import engine_of
-    from flextensor.coded_packs import CodedPack
-    from flextensor.plan_policy import without_coding
-    from flextensor.planner import minimal_need_bytes
+    from flextensor.engine.policy import without_coding
+    from flextensor.host.coded_packs import CodedPack
+    from flextensor.plan.planner import minimal_need_bytes
 
     model = compressed_medium_llama
     long, short = tokens(32), tokens(16)
@@ -275,7 +275,8 @@ def test_processes_sharing_compressed_weights_stream_them_bit_for_bit_on_cuda(sh
     device then unpacks the coded copy through the GPU and streams the same. Waits are cut to 30 s so a
     stuck step fails with its own message."""
     import flextensor
-    from flextensor import shared_coded, shared_store
+    from flextensor.host.shared import coded as shared_coded
+    from flextensor.host.shared import store as shared_store
 
     monkeypatch.setattr(shared_store, "SHARED_STORE_TIMEOUT_S", 30.0)
     monkeypatch.setattr(shared_coded, "SHARED_CODED_TIMEOUT_S", 30.0)

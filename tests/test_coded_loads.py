@@ -1,4 +1,4 @@
-"""The planner's and simulator's model of compressed loads (see [Note: coded loads] in measurements.py):
+"""The planner's and simulator's model of compressed loads (see [Note: coded loads] in plan/measurements.py):
 hand-computed times and peaks, and plans that code a unit only where it pays. Pure: no torch."""
 
 from __future__ import annotations
@@ -7,20 +7,20 @@ from dataclasses import replace
 
 import pytest
 
+from flextensor.common.json_codec import from_json_data, to_json_data
+from flextensor.common.sizes import align_up
 from flextensor.errors import PlanError
-from flextensor.json_codec import from_json_data, to_json_data
-from flextensor.layout import UNIT_ALIGNMENT
-from flextensor.measurements import (
+from flextensor.plan.layout import UNIT_ALIGNMENT
+from flextensor.plan.measurements import (
     CODED_PIECE_BYTES,
     LinkModel,
     Measurements,
     UnitMeasurement,
     coded_pieces,
 )
-from flextensor.plan import Plan
-from flextensor.planner import minimal_need_bytes, plan_offload
-from flextensor.simulator import simulate
-from flextensor.sizes import align_up
+from flextensor.plan.plan import Plan
+from flextensor.plan.planner import minimal_need_bytes, plan_offload
+from flextensor.plan.simulator import simulate
 
 UNIT = 16 * UNIT_ALIGNMENT  # 64 KiB
 CODED = 11 * UNIT_ALIGNMENT  # 0.6875 of it
@@ -114,7 +114,7 @@ def test_a_unit_in_pieces_is_timed_as_its_pieces_copies_and_one_decode() -> None
 def test_staged_units_held_compressed_are_timed_as_coded_loads_over_the_staged_link() -> None:
     """Under a host budget, a compressed unit that is staged still loads compressed: its pieces cross
     the slower staged link, then decode. The planner ranks and pins by what packs hold (compressed)."""
-    from flextensor.staged_units import HostPlan
+    from flextensor.plan.host_plan import HostPlan
 
     measurements = link_bound(units=4)
     names = tuple(u.name for u in measurements.units)

@@ -303,7 +303,7 @@ class CountingRuns:
 
 
 def test_the_ops_pass_torch_library_opcheck() -> None:
-    from flextensor import compiled
+    from flextensor.hooks import compiled_ops as compiled
 
     runs = CountingRuns()
     model_id = compiled.register(runs)
@@ -321,9 +321,10 @@ def test_the_ops_pass_torch_library_opcheck() -> None:
 
 def test_a_profiling_forward_in_which_the_compiler_ran_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its times and memory peak are the compiler's: one more forward is profiled instead."""
-    import flextensor.learning
+    import flextensor.phases.learning
 
-    monkeypatch.setattr(flextensor.learning, "samples_disagree", lambda *args: False)  # no noise retries
+    # no noise retries
+    monkeypatch.setattr(flextensor.phases.learning, "samples_disagree", lambda *args: False)
     case = _llama_case()
     model = offloaded(case, discovery_forwards=1, profiling_forwards=1)
     compiled = torch.compile(model)
@@ -370,7 +371,7 @@ class ReadsWeightData(nn.Module):
 
 
 def test_a_forward_reading_weight_data_compiles_whole_and_streams_bitwise() -> None:
-    """The edit guard on ``.data`` (weight_edits.py) is transparent inside a compiled forward."""
+    """The edit guard on ``.data`` (weights/edits.py) is transparent inside a compiled forward."""
     torch.manual_seed(0)
     model = nn.Sequential(*(ReadsWeightData() for _ in range(4)))
     x = torch.randn(2, 16)

@@ -1,6 +1,6 @@
 """``compression="lossless"``: packs held compressed, loads decoded into the arena, outputs bit for bit (see
-[Note: coded packs] in coded_packs.py). On a CPU the reference decoder is slower than a memcpy, so no unit
-is compressed unless the decode speed is forced up: these tests force it, and the real path runs."""
+[Note: coded packs] in host/coded_packs.py). On a CPU the reference decoder is slower than a memcpy, so no
+unit is compressed unless the decode speed is forced up: these tests force it, and the real path runs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.coded_packs import CodedPack
+from flextensor.common.sizes import align_up
 from flextensor.errors import CodecError, ConfigError, UnsupportedOperationError
-from flextensor.layout import UNIT_ALIGNMENT
-from flextensor.sizes import align_up
+from flextensor.host.coded_packs import CodedPack
+from flextensor.plan.layout import UNIT_ALIGNMENT
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 
@@ -108,7 +108,7 @@ def test_a_decoder_slower_than_the_link_compresses_nothing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """As on a CPU device with large units: the reference decoder (about 0.2 GB/s) against a memcpy."""
-    monkeypatch.setattr("flextensor.pack_compression.probe_decode", lambda runtime, pack, destination: 1e6)
+    monkeypatch.setattr("flextensor.store.coded_loads.probe_decode", lambda runtime, pack, destination: 1e6)
     reference = bf16_llama(layers=2)
     with caplog.at_level("INFO", logger="flextensor"):
         model = compressed(bf16_llama(layers=2))
@@ -293,7 +293,7 @@ class MixedDtypes(torch.nn.Module):
 
 def recorded_waits(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list]:
     """(the units whose decode a load waited for, the streams that waited for every decode), recorded."""
-    from flextensor.coded_packs import CodedLoads
+    from flextensor.host.coded_packs import CodedLoads
 
     decoded, fences = [], []
     wait_decoded, fence = CodedLoads.wait_decoded, CodedLoads.fence
@@ -383,8 +383,8 @@ PIECE = 16 * 1024  # bytes of weights per piece in the tests below: a tiny Llama
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Packs cut in pieces of PIECE bytes, for the encoder and for the planner's model of their loads."""
-    monkeypatch.setattr("flextensor.coded_packs.CODED_PIECE_BYTES", PIECE)
-    monkeypatch.setattr("flextensor.measurements.CODED_PIECE_BYTES", PIECE)
+    monkeypatch.setattr("flextensor.host.coded_packs.CODED_PIECE_BYTES", PIECE)
+    monkeypatch.setattr("flextensor.plan.measurements.CODED_PIECE_BYTES", PIECE)
 
 
 def test_a_pack_in_pieces_streams_bit_for_bit_through_slots_of_one_piece(
@@ -435,7 +435,7 @@ def test_compressed_packs_the_host_budget_cannot_pin_go_through_the_staging_ring
     """Under a host budget that pins one compressed layer, not two, the other layers' packs stay pageable:
     each piece of theirs goes through the staging ring into a staging slot, then decodes. The plan loads
     them compressed too, and the outputs are bit for bit."""
-    from flextensor.staging import StagingRing, staging_layout
+    from flextensor.host.staging import StagingRing, staging_layout
 
     through_ring: list[int] = []
     original = StagingRing.copy_from_host
@@ -498,7 +498,7 @@ def test_a_decode_that_fails_half_way_orders_later_copies_after_the_decodes_issu
     """A decode raising after some pieces of a load were issued leaves the unit's range unowned: the copy
     stream is ordered after the decodes issued so far (a copy into that range could otherwise be
     overwritten by one), the error reaches the caller, and the next forwards are bit for bit."""
-    from flextensor import coded_packs
+    from flextensor.host import coded_packs
 
     reference = bf16_llama()
     model = compressed(bf16_llama())
@@ -614,7 +614,7 @@ def test_a_run_from_a_profile_encodes_only_the_units_its_plan_loads_compressed(
     once laid out), and the run is in steady state at once, bit for bit. The link is modelled slow, so
     that the plan keeps as many layers resident as the budget allows whatever the CPU's timings."""
     from flextensor import api
-    from flextensor.measurements import LinkModel
+    from flextensor.plan.measurements import LinkModel
 
     real_probe = api.probe_links
     monkeypatch.setattr(
@@ -654,7 +654,7 @@ def test_a_pack_decoded_through_a_device_gives_its_raw_bytes(small_pieces: None)
     """``CodedPack.decode_through``, the way a compressed unit is uploaded to resident storage on a GPU
     (and held raw again): piece by piece into a device tensor. Here the CPU is the device; the GPU
     variant runs in tests/test_codec_gpu.py through the uploads of resident units."""
-    from flextensor.host_store import pack_layout
+    from flextensor.host.packs import pack_layout
 
     torch.manual_seed(0)
     weights = [(torch.randn(96, 128) / 12).to(torch.bfloat16), torch.randn(40)]  # a float32 tail too

@@ -1,4 +1,4 @@
-"""Tests for flextensor.config: OffloadConfig's fields, defaults and validation."""
+"""Tests for flextensor.config.schema: OffloadConfig's fields, defaults and validation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from flextensor.config import OffloadConfig
-from flextensor.config_sources import ENV_VARS
+from flextensor.config.schema import OffloadConfig
+from flextensor.config.sources import ENV_VARS
 from flextensor.errors import ConfigError
 
 GiB = 2**30

@@ -1,4 +1,4 @@
-"""Tests for flextensor.config_sources: load_config's layers, YAML files and FT_* variables."""
+"""Tests for flextensor.config.sources: load_config's layers, YAML files and FT_* variables."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flextensor.config import OffloadConfig
-from flextensor.config_sources import (
+from flextensor.config.schema import OffloadConfig
+from flextensor.config.sources import (
     CONFIG_FILE_ENV_VAR,
     ENV_VARS,
     NON_FIELD_ENV_VARS,

@@ -1,5 +1,5 @@
 """The bookkeeping of captured forwards, on the CPU: what a graph assumes at its start, what it and every
-eager forward after it leave in the arena (see [Note: captured forwards] in cuda_graphs.py).
+eager forward after it leave in the arena (see [Note: captured forwards] in engine/cuda_graphs.py).
 
 A CPU has no CUDA graphs; these tests make the engine believe a capture runs, so the captured driver
 does its real work (loads, prefetches, joins) on the host streams. The GPU tests capture for real.
@@ -12,10 +12,10 @@ import torch
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.cuda_graphs import steady_end_state
+from flextensor.engine.cuda_graphs import steady_end_state
 from flextensor.errors import UnsupportedOperationError
-from flextensor.range_copies import holds_weights
-from flextensor.steady import CapturedStep
+from flextensor.phases.steady import CapturedStep
+from flextensor.store.copies import holds_weights
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 

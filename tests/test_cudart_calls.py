@@ -1,4 +1,4 @@
-"""The direct runtime calls of the steady hot path (cudart_calls.py): finding PyTorch's CUDA runtime among
+"""The direct runtime calls of the steady hot path (device/cudart.py): finding PyTorch's CUDA runtime among
 the mapped files, the CPU stand-in, and on a CUDA device copies, records and waits on PyTorch's handles."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flextensor.cudart_calls import CudartCalls, loaded_cudart_path
-from flextensor.device import HostCalls, HostEvent
+from flextensor.device.cudart import CudartCalls, loaded_cudart_path
+from flextensor.device.runtime import HostCalls, HostEvent
 from flextensor.errors import DeviceError
 
 MAPS = """\

@@ -1,12 +1,12 @@
-"""Tests for flextensor.device: resolving device, pinning and budget once, and the CPU stand-ins."""
+"""Tests for flextensor.device.runtime: resolving device, pinning and budget once, and the CPU stand-ins."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flextensor.config import OffloadConfig
-from flextensor.device import HostEvent, HostStream, resolve_budget, resolve_device, resolve_pinning
+from flextensor.config.schema import OffloadConfig
+from flextensor.device.runtime import HostEvent, HostStream, resolve_budget, resolve_device, resolve_pinning
 from flextensor.errors import ConfigError, PlanError
 
 GiB = 2**30

@@ -171,7 +171,8 @@ def test_a_token_embedding_tied_to_a_holder_that_never_runs_streams_and_the_hold
     """UMT5's embedding: the unit ``encoder.embed_tokens`` runs, ``shared`` holds the same weight and never
     runs. The weight streams with its unit (it stayed on the device before: 2.1 GB of UMT5-XXL in every
     phase of a Wan pipeline), and ``shared``, the unit's alias, loads it when called (see [Note: tied
-    aliases] in discovery.py). Every unit streams; outputs, state_dict and release as without offload."""
+    aliases] in phases/discovery.py). Every unit streams; outputs, state_dict and release as without
+    offload."""
     pytest.importorskip("transformers")
     reference = _tiny_umt5()
     ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))

@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 import flextensor
-import flextensor.checkpoint as checkpoint
+import flextensor.host.checkpoint as checkpoint
 from engine_helpers import LEARN, assert_all_equal, first_tensor, install_placement, run_forwards
-from flextensor.disk_tier import READ_AHEAD, plan_disk_tier
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.plan_policy import input_signature
-from flextensor.planner import plan_offload
-from flextensor.staged_units import HostPlan, choose_staged, pack_bytes
-from flextensor.staging import staging_layout
+from flextensor.engine.policy import input_signature
+from flextensor.host.disk import READ_AHEAD, plan_disk_tier
+from flextensor.host.staging import staging_layout
+from flextensor.plan.host_plan import HostPlan, choose_staged, pack_bytes
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.planner import plan_offload
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 from test_host_budget import LAYERS, budget_for
@@ -97,7 +97,7 @@ def test_reads_ahead_split_in_pieces_land_where_they_belong(
     saved: Path, llama, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each unit read ahead in many small pieces, by several threads at once, computes bitwise."""
-    import flextensor.disk_tier as disk_tier
+    import flextensor.host.disk as disk_tier
 
     monkeypatch.setattr(disk_tier, "READ_CHUNK", 4096 + 512)  # pieces that straddle the tensors' ends
     reference, expected = llama
@@ -204,7 +204,7 @@ def test_a_saved_profile_keeps_the_disk_units_streaming_bitwise(saved: Path, lla
     run_forwards(model, llama_inputs(), LEARN)
     path = tmp_path / "llama.profile"
     flextensor.save_profile(model, path)
-    from flextensor.profile_file import load_profile_file
+    from flextensor.profiles.file import load_profile_file
 
     host = load_profile_file(path).host  # `flextensor plan` then times the disk units as this run did
     on_disk = {u.name for u in flextensor.status(model).units if u.on_disk}
@@ -287,7 +287,7 @@ def test_an_interrupted_copy_keeps_its_buffer_until_the_read_into_it_ends(
 ) -> None:
     """Ctrl-C while a copy waits for its read ahead: that read goes on writing into its buffer, so no
     other read may be given the buffer until it ends."""
-    import flextensor.disk_tier as disk_tier
+    import flextensor.host.disk as disk_tier
 
     gate = threading.Event()
     packs = [_SlowPack("a", gate), _SlowPack("b"), _SlowPack("c")]
@@ -388,7 +388,7 @@ class _Locks:
     """Stands in for page-locking on a CPU: records which packs were locked and unlocked."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import flextensor.host_store as host_store
+        import flextensor.host.packs as host_store
 
         self.locked: list[int] = []
         self.unlocked: list[int] = []
@@ -413,7 +413,7 @@ def _units(model: nn.Module, count: int) -> list[tuple[str, list[tuple[str, nn.P
 def test_a_pack_unpinned_before_its_reader_pins_it_stays_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
     """The host budget may stage a pack (unpin it) before its reader got to it; the reader's late pin must
     not lock memory the budget no longer counts."""
-    from flextensor.host_store import UnitPack
+    from flextensor.host.packs import UnitPack
 
     locks = _Locks(monkeypatch)
     pack = UnitPack("u", (), 8192, pin=False)

@@ -121,8 +121,8 @@ def _rank(scenario: str, rank: int, world_size: int, tmp: Path, shm: str) -> dic
 
     import torch.distributed as dist
 
-    from flextensor import shared_store
-    from flextensor.profile_file import load_profile_file
+    from flextensor.host.shared import store as shared_store
+    from flextensor.profiles.file import load_profile_file
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
     if scenario == "per_rank":

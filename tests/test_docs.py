@@ -31,11 +31,11 @@ import pytest
 import torch
 
 import flextensor
-from flextensor import config_sources
-from flextensor.cli import build_parser, parse_budget
-from flextensor.log import _parse_level
-from flextensor.progress import _OFF, _ON
-from flextensor.sizes import parse_bytes
+from flextensor.cli.main import build_parser, parse_budget
+from flextensor.common.log import _parse_level
+from flextensor.common.progress import _OFF, _ON
+from flextensor.common.sizes import parse_bytes
+from flextensor.config import sources as config_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

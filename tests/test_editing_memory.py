@@ -1,5 +1,5 @@
 """``flextensor.editing`` within the memory the model may use (see [Note: editing within the budget] in
-edit_session.py): a streamed unit gets device copies only when used, the working set stays within its
+engine/edit_session.py): a streamed unit gets device copies only when used, the working set stays within its
 limit by writing units back to their packs, and nothing an edit wrote is lost on the way.
 
 Every model runs under the tightest budget (every unit streams): its layout leaves no room for a unit, so
@@ -21,8 +21,8 @@ import torch
 import flextensor
 from engine_helpers import LEARN, install_placement, run_forwards
 from flextensor.api import engine_of
-from flextensor.edit_session import EditSession, WorkingSet
-from flextensor.plan_policy import input_signature
+from flextensor.engine.edit_session import EditSession, WorkingSet
+from flextensor.engine.policy import input_signature
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 
@@ -157,7 +157,7 @@ def test_out_of_memory_while_copying_a_unit_in_writes_the_others_back_and_tries_
 
     monkeypatch.setattr(EditSession, "give_copies", give_copies)
     # no limit: the first unit is still held when the second is copied in
-    monkeypatch.setattr("flextensor.weight_edits.working_set_for", lambda engines: WorkingSet(None))
+    monkeypatch.setattr("flextensor.weights.edits.working_set_for", lambda engines: WorkingSet(None))
     for m in (native, model):
         with editing_with_working_set(m) if m is model else torch.no_grad() as working_set:
             m.model.layers[0].mlp.up_proj.weight.mul_(2)

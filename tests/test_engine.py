@@ -2,8 +2,8 @@
 switching between them, resident units kept (or streamed) across switches and new shapes, host packs
 dropped and rebuilt, and the way back from layouts and forwards that fail half-way.
 
-Device memory is failed on purpose through ``flextensor.slots.allocate_device_bytes``, the one place every
-arena and resident storage is allocated; a forward is failed by a forward pre-hook that raises.
+Device memory is failed on purpose through ``flextensor.store.device_store.allocate_device_bytes``, the one
+place every arena and resident storage is allocated; a forward is failed by a forward pre-hook that raises.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import flextensor
-import flextensor.slots
+import flextensor.store.device_store
 from engine_helpers import (
     CPU,
     LEARN,
@@ -36,12 +36,12 @@ from engine_helpers import (
     uploads,
 )
 from flextensor.api import engine_of
+from flextensor.engine.policy import input_signature
 from flextensor.errors import PlanError
-from flextensor.layout import UNIT_ALIGNMENT, provisional_arena_bytes
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.plan_policy import input_signature
-from flextensor.planner import residents_within
-from flextensor.profiling import EXTRA_FORWARDS
+from flextensor.phases.profiling import EXTRA_FORWARDS
+from flextensor.plan.layout import UNIT_ALIGNMENT, provisional_arena_bytes
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.planner import residents_within
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
 
@@ -58,9 +58,9 @@ def _fail_allocations(
     when: Callable[[int], bool],
     error: type[Exception] = torch.OutOfMemoryError,
 ) -> list[int]:
-    """Make ``flextensor.slots.allocate_device_bytes`` raise ``error("injected")`` for the calls where
-    ``when(nbytes)`` is true; returns the sizes of the calls that failed."""
-    allocate = flextensor.slots.allocate_device_bytes
+    """Make ``flextensor.store.device_store.allocate_device_bytes`` raise ``error("injected")`` for the calls
+    where ``when(nbytes)`` is true; returns the sizes of the calls that failed."""
+    allocate = flextensor.store.device_store.allocate_device_bytes
     failed: list[int] = []
 
     def allocate_or_fail(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -69,7 +69,7 @@ def _fail_allocations(
             raise error("injected")
         return allocate(nbytes, device)
 
-    monkeypatch.setattr(flextensor.slots, "allocate_device_bytes", allocate_or_fail)
+    monkeypatch.setattr(flextensor.store.device_store, "allocate_device_bytes", allocate_or_fail)
     return failed
 
 

@@ -150,7 +150,7 @@ def test_entry_methods_are_checked_in_the_config(bad: object) -> None:
 def test_the_entry_wrapper_is_named_as_the_interrupted_forward_check_expects() -> None:
     """ForwardBracket.interrupted counts an entry wrapper's frames as calls of the model by its qualified
     name: renaming the wrapper would make every decode() inside a forward look like an interrupt."""
-    from flextensor.forward_bracket import ENTRY_WRAPPER
-    from flextensor.hook_functions import entry_point
+    from flextensor.hooks.bracket import ENTRY_WRAPPER
+    from flextensor.hooks.functions import entry_point
 
     assert entry_point(nn.Module(), "decode", lambda: None).__code__.co_qualname == ENTRY_WRAPPER

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import flextensor
-from flextensor.host_store import pack_layout
-from flextensor.layout import minimal_arena_bytes
-from flextensor.pipeline_configs import default_unit_patterns
-from flextensor.pipelines import components_of
-from flextensor.selection import select
+from flextensor.host.packs import pack_layout
+from flextensor.pipelines.configs import default_unit_patterns
+from flextensor.pipelines.pipeline import components_of
+from flextensor.plan.layout import minimal_arena_bytes
+from flextensor.weights.selection import select
 
 pytest.importorskip("diffusers")
 pytest.importorskip("imageio_ffmpeg", reason="writing an mp4 needs imageio-ffmpeg (pip install -e '.[test]')")

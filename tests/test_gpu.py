@@ -162,7 +162,7 @@ def test_copies_overlap_compute_in_steady_state() -> None:
 
 def test_capacity_follows_the_per_process_memory_fraction() -> None:
     """A process capped below the card (a smaller card's stand-in) plans for the cap, not the card."""
-    from flextensor.device import DeviceRuntime
+    from flextensor.device.runtime import DeviceRuntime
 
     runtime = DeviceRuntime(torch.device("cuda"))
     card = torch.cuda.get_device_properties(runtime.device).total_memory
@@ -179,8 +179,8 @@ def test_resident_units_drop_their_host_copy_and_get_it_back_pinned_when_they_st
     bit for bit throughout."""
     import dataclasses
 
-    from flextensor.layout import provisional_arena_bytes
-    from flextensor.plan_policy import input_signature
+    from flextensor.engine.policy import input_signature
+    from flextensor.plan.layout import provisional_arena_bytes
 
     lengths = (64, 256)
     inputs = {n: torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths}
@@ -321,7 +321,7 @@ def test_units_running_on_another_stream_than_the_forward_stay_ordered() -> None
 
 
 def test_a_tied_token_embedding_streams_with_its_unit_and_its_alias_loads_it_on_cuda() -> None:
-    """UMT5's embedding (see [Note: tied aliases] in discovery.py) on the GPU: streamed with its unit
+    """UMT5's embedding (see [Note: tied aliases] in phases/discovery.py) on the GPU: streamed with its unit
     ``encoder.embed_tokens``, bitwise, and ``shared`` (the alias, never run by the forward) loads it when
     called between forwards, on the streams the copies use."""
     from transformers import UMT5Config, UMT5EncoderModel

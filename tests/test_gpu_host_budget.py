@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import flextensor
-from flextensor.host_store import pack_layout
-from flextensor.selection import select
-from flextensor.staged_units import pack_bytes
-from flextensor.staging import staging_layout
+from flextensor.host.packs import pack_layout
+from flextensor.host.staging import staging_layout
+from flextensor.plan.host_plan import pack_bytes
+from flextensor.weights.selection import select
 from real_models import tiny_llama
 
 pytestmark = [
@@ -81,7 +81,7 @@ def test_host_budget_without_pinning_is_refused() -> None:
 
 
 def test_probe_measures_staged_copies() -> None:
-    from flextensor.probe import measure_copy, measure_staged_copy
+    from flextensor.observe.probe import measure_copy, measure_staged_copy
 
     staged = measure_staged_copy("cuda", 64 * 2**20, repeats=3)
     pinned = measure_copy("cuda", 64 * 2**20, "host_to_device", True, repeats=3)

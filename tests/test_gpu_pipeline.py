@@ -1,5 +1,5 @@
 """A pipeline of three components where two fit the budget at once: each lays the next one out at the end
-of its run (see [Note: the next component ahead] in pipelines.py). The CUDA variant checks the layout
+of its run (see [Note: the next component ahead] in pipelines/pipeline.py). The CUDA variant checks the layout
 made on the copy stream while the previous component's compute is still queued; the CPU one runs the same
 scenario in CI."""
 
@@ -120,9 +120,9 @@ def test_each_component_lays_the_next_one_out_at_the_end_of_its_run(
 def watch_layouts_ahead(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> list[dict[str, bool]]:
     """Per layout ahead: whether it synchronised the device, allocated with the copy stream current, and
     began while compute was still queued on the stream of the forward that just ended."""
-    from flextensor.device import DeviceRuntime
-    from flextensor.engine import OffloadEngine
-    from flextensor.slots import DeviceStore
+    from flextensor.device.runtime import DeviceRuntime
+    from flextensor.engine.controller import OffloadEngine
+    from flextensor.store.device_store import DeviceStore
 
     seen: list[dict[str, bool]] = []
     real_ahead, real_lay_out, real_sync = (
@@ -161,6 +161,6 @@ def watch_layouts_ahead(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> list[dic
 
 
 def parts_pipeline(parts: dict[str, nn.Module]):
-    from flextensor.pipelines import pipeline_of
+    from flextensor.pipelines.pipeline import pipeline_of
 
     return pipeline_of(parts)

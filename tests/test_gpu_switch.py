@@ -1,7 +1,7 @@
 """A pipeline whose budget holds one component at a time: at each switch, made where the finishing
-component's run ends (see [Note: the switch at a run's end] in pipelines.py), that component gives its
-memory back and the next one lays its plan out, ordered by streams, without waiting for the device (see
-[Note: a switch in stream order] in stream_switch.py). On CUDA the first component's forward is queued
+component's run ends (see [Note: the switch at a run's end] in pipelines/pipeline.py), that component gives
+its memory back and the next one lays its plan out, ordered by streams, without waiting for the device (see
+[Note: a switch in stream order] in store/stream_order.py). On CUDA the first component's forward is queued
 behind a sleep, so the next one takes memory whose last reads are still queued, and its own first kernels
 (no sleep) come right after: a missing wait before its copies, after its uploads, or for the previous
 one's copies still queued changes the output. Link-bound blocks make every unit resident (the uploads),
@@ -19,9 +19,9 @@ from torch import nn
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.device import DeviceRuntime, HostStream
-from flextensor.pipelines import pipeline_of
-from flextensor.slots import DeviceStore
+from flextensor.device.runtime import DeviceRuntime, HostStream
+from flextensor.pipelines.pipeline import pipeline_of
+from flextensor.store.device_store import DeviceStore
 from test_gpu_pipeline import generation
 from test_gpu_pipeline import steady as run_until_steady
 
@@ -147,7 +147,7 @@ def watch_switches(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> dict[str, int
 def watch_allocations(monkeypatch: pytest.MonkeyPatch, parts: dict[str, nn.Module]) -> list[bool]:
     """Per device allocation of a layout: whether a copy stream was current (its blocks would go back to
     that stream's pool only)."""
-    import flextensor.slots as slots
+    import flextensor.store.device_store as slots
 
     copy_streams = [engine_of(m).runtime.copy_stream for m in parts.values()]
     seen: list[bool] = []
@@ -367,7 +367,7 @@ def test_a_resident_unit_called_by_hand_after_a_layout_ahead_reads_its_upload(
     component's forward is ordered after its upload only by the stream the layout was made on having
     waited for the copy stream then."""
     from flextensor import api
-    from flextensor.measurements import LinkModel
+    from flextensor.plan.measurements import LinkModel
 
     real_probe = api.probe_links  # a slow link (10 kB/s): plans keep every block resident where it fits
     monkeypatch.setattr(
@@ -408,7 +408,7 @@ def test_a_run_that_ends_in_a_give_back_copies_nothing_in_for_a_next_forward(
     """The last forward of a run, after which the component gives its memory back, does not copy in the
     first units of a next forward (the ring's wrap): they would be thrown away, and they held up the
     link and the switch. A run longer than the last one loads them at its extra forward, bitwise."""
-    from flextensor.range_copies import holds_weights
+    from flextensor.store.copies import holds_weights
 
     cuda = device == "cuda"
     dim, tokens, repeats = (4096, 2048, 8) if cuda else (64, 4, 1)

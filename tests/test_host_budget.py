@@ -11,13 +11,13 @@ import torch
 
 import flextensor
 from engine_helpers import LEARN, assert_all_equal, first_tensor, run_forwards
-from flextensor.host_store import pack_layout
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.planner import plan_offload
-from flextensor.selection import select
-from flextensor.simulator import simulate
-from flextensor.staged_units import HostPlan, choose_staged, pack_bytes
-from flextensor.staging import STAGING_RING_MAX, StagingRing, staging_layout
+from flextensor.host.packs import pack_layout
+from flextensor.host.staging import STAGING_RING_MAX, StagingRing, staging_layout
+from flextensor.plan.host_plan import HostPlan, choose_staged, pack_bytes
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.planner import plan_offload
+from flextensor.plan.simulator import simulate
+from flextensor.weights.selection import select
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 
@@ -160,7 +160,7 @@ def test_host_memory_budget_from_the_environment(monkeypatch: pytest.MonkeyPatch
 
 
 def test_ring_copies_bytes_in_slot_sized_chunks_and_wraps() -> None:
-    from flextensor.device import DeviceRuntime
+    from flextensor.device.runtime import DeviceRuntime
 
     runtime = DeviceRuntime(torch.device("cpu"))
     ring = StagingRing(mmap.PAGESIZE, 3, runtime, pin=False)

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flextensor.device import resolve_host_budget
-from flextensor.host_limits import (
+from flextensor.device.host_limits import (
     CGROUP_PINNED_SHARE,
     WSL_PINNED_CAP,
     HostLimits,
@@ -18,6 +17,7 @@ from flextensor.host_limits import (
     in_wsl,
     memlock_limit,
 )
+from flextensor.device.runtime import resolve_host_budget
 
 GiB = 2**30
 
@@ -135,7 +135,7 @@ def test_probe_result_shows_staged_copies_and_host_limits() -> None:
 
     from rich.console import Console
 
-    from flextensor.probe import CopyMeasurement, PinMeasurement, ProbeResult
+    from flextensor.observe.probe import CopyMeasurement, PinMeasurement, ProbeResult
 
     mib = 2**20
     result = ProbeResult(

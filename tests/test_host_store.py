@@ -13,10 +13,10 @@ from torch import nn
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.host_store import UnitPack, pack_layout
-from flextensor.layout import provisional_arena_bytes
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.plan import Plan
+from flextensor.host.packs import UnitPack, pack_layout
+from flextensor.plan.layout import provisional_arena_bytes
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.plan import Plan
 
 
 def test_pack_layout_is_aligned_and_dense() -> None:
@@ -164,7 +164,7 @@ def test_a_pack_pinned_from_two_threads_at_once_is_registered_once(monkeypatch: 
     import threading
     import time
 
-    import flextensor.host_store as host_store
+    import flextensor.host.packs as host_store
 
     registered = []
 

@@ -10,7 +10,7 @@ SCRIPT = """
 import json, sys
 import torch
 import flextensor
-import flextensor.cli, flextensor.reporting, flextensor.tracing, flextensor.vllm
+import flextensor.cli.main, flextensor.observe.report, flextensor.observe.trace, flextensor.vllm
 print(json.dumps({
     "cuda_initialized": torch.cuda.is_initialized(),
     "modules": sorted(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flextensor import json_codec
-from flextensor.json_codec import (
+from flextensor.common import json_codec
+from flextensor.common.json_codec import (
     Bytes,
     RecordError,
     Seconds,

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flextensor.common.sizes import align_up
 from flextensor.errors import PlanError
-from flextensor.layout import (
+from flextensor.plan.layout import (
     UNIT_ALIGNMENT,
     minimal_arena_bytes,
     occupancy_cells,
@@ -16,7 +17,6 @@ from flextensor.layout import (
     ready_after_for,
     ring_layout,
 )
-from flextensor.sizes import align_up
 
 S = UNIT_ALIGNMENT  # one slot: sizes in whole slots keep the arithmetic exact
 

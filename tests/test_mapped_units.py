@@ -1,5 +1,5 @@
 """Units read in place from their pinned host packs (``map_embeddings``; see [Note: mapped units] in
-mapped_units.py): a UMT5 text encoder's token embedding under the tightest budget, bitwise, holding no
+store/mapping.py): a UMT5 text encoder's token embedding under the tightest budget, bitwise, holding no
 device memory; the plans give its room to other units; what is never mapped; edits, profiles, release;
 a whole pipeline. On CUDA (``-m gpu``) the device reads the pack through its mapping."""
 
@@ -15,9 +15,9 @@ from torch import nn
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.layout import UNIT_ALIGNMENT
-from flextensor.pipeline_configs import default_unit_patterns
-from flextensor.sizes import align_up
+from flextensor.common.sizes import align_up
+from flextensor.pipelines.configs import default_unit_patterns
+from flextensor.plan.layout import UNIT_ALIGNMENT
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,7 +60,7 @@ def run_until_steady(model: nn.Module, ids: torch.Tensor, expected: torch.Tensor
 def slow_link(monkeypatch: pytest.MonkeyPatch) -> None:
     """A link of 10 kB/s: the plans keep every unit resident that the budget leaves room for."""
     from flextensor import api
-    from flextensor.measurements import LinkModel
+    from flextensor.plan.measurements import LinkModel
 
     real_probe = api.probe_links
     monkeypatch.setattr(
@@ -193,7 +193,7 @@ def test_a_host_budget_that_stages_packs_maps_nothing(caplog: pytest.LogCaptureF
 def test_an_embedding_read_from_a_checkpoint_is_mapped_once_read(tmp_path, monkeypatch) -> None:
     """offload(weights=...) returns before the packs are read: the embedding's read is waited for, then
     it is mapped (never left unmapped by how fast the read was)."""
-    import flextensor.checkpoint as checkpoint
+    import flextensor.host.checkpoint as checkpoint
 
     reference, ids = encoder(), token_ids()
     expected = hidden(reference, ids)
@@ -312,7 +312,7 @@ def test_on_cuda_the_device_reads_the_mapped_pack_bitwise() -> None:
 def test_a_pipeline_maps_a_vocabulary_by_default_and_quietly(caplog: pytest.LogCaptureFixture) -> None:
     """A pipeline's components map their token embeddings unless map_embeddings is set: only a
     vocabulary-sized table, and with no warning for the components that have none."""
-    from flextensor.mapped_units import VOCABULARY_ROWS
+    from flextensor.store.mapping import VOCABULARY_ROWS
 
     def pipeline() -> dict[str, nn.Module]:
         torch.manual_seed(0)

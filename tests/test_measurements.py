@@ -7,7 +7,7 @@ import math
 import pytest
 
 from flextensor.errors import PlanError
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
 
 MiB = 2**20
 

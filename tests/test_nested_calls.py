@@ -1,5 +1,5 @@
 """Units called inside another unit's forward after learning: they borrow their range, outputs stay right,
-and the engine keeps them resident and profiles again (see [Note: nested calls] in nested_calls.py).
+and the engine keeps them resident and profiles again (see [Note: nested calls] in store/nesting.py).
 
 Before this, the inner unit's load (or the prefetches its post-hook issued) overwrote the range of the
 unit it ran inside, which then computed on the inner unit's bytes: a silently wrong output."""
@@ -16,9 +16,9 @@ from torch import nn
 import flextensor
 from engine_helpers import LEARN, LEARN_COMPILED, install_placement, run_forwards, run_until_steady
 from flextensor.api import engine_of
+from flextensor.engine.policy import input_signature
 from flextensor.errors import UnsupportedOperationError
-from flextensor.plan_policy import input_signature
-from flextensor.planner import minimal_need_bytes
+from flextensor.plan.planner import minimal_need_bytes
 from nesting_models import Block, LateNesting
 from streaming import streaming_config
 

@@ -1,5 +1,5 @@
 """A pipeline lays its next component out at the end of the previous one's run (see [Note: the next
-component ahead] in pipelines.py), on the tiny two-expert Wan2.2 pipeline and the CPU engine."""
+component ahead] in pipelines/pipeline.py), on the tiny two-expert Wan2.2 pipeline and the CPU engine."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.slots import DeviceStore
+from flextensor.store.device_store import DeviceStore
 
 pytest.importorskip("diffusers")
 from real_models import run_wan_pipeline, tiny_wan_pipeline
@@ -128,7 +128,7 @@ def test_what_a_run_leaves_outside_at_its_end_does_not_hold_the_next_layout_back
     make-room counts what is outside then. Here the outside looks far larger than the budget while a run
     ends (the allocator's counters are faked on the CPU engine): transformer_2 is laid out ahead as
     before (it was never laid out ahead on the H200 while that growth counted)."""
-    from flextensor.plan_states import PlanStates
+    from flextensor.engine.plan_states import PlanStates
 
     pipe = offloaded_pipeline()
     pipeline = pipe._flextensor_pipeline

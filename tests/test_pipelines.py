@@ -10,6 +10,7 @@ from torch import nn
 import flextensor
 from engine_helpers import install_placement
 from flextensor.api import engine_of
+from flextensor.engine.policy import input_signature
 from flextensor.errors import (
     ConfigError,
     NotOffloadedError,
@@ -17,13 +18,12 @@ from flextensor.errors import (
     SelectionError,
     UnsupportedOperationError,
 )
-from flextensor.host_store import pack_layout
-from flextensor.layout import minimal_arena_bytes
-from flextensor.pipeline_configs import default_unit_patterns
-from flextensor.pipeline_methods import CALL_END_METHOD, REFUSED_METHODS
-from flextensor.pipelines import pipeline_of
-from flextensor.plan_policy import input_signature
-from flextensor.selection import select
+from flextensor.host.packs import pack_layout
+from flextensor.pipelines.configs import default_unit_patterns
+from flextensor.pipelines.methods import CALL_END_METHOD, REFUSED_METHODS
+from flextensor.pipelines.pipeline import pipeline_of
+from flextensor.plan.layout import minimal_arena_bytes
+from flextensor.weights.selection import select
 
 pytest.importorskip("diffusers")
 from real_models import run_wan_pipeline, tiny_wan_pipeline
@@ -288,7 +288,7 @@ def two_stacks(monkeypatch: pytest.MonkeyPatch, budget: str) -> tuple[dict, obje
     machine) so that plans keep layers resident where they fit. Returns the mapping, a
     function running one "generation" through both, and its expected output."""
     from flextensor import api
-    from flextensor.measurements import LinkModel
+    from flextensor.plan.measurements import LinkModel
 
     real_probe = api.probe_links
     monkeypatch.setattr(
@@ -334,7 +334,7 @@ def test_a_component_plans_again_when_the_memory_outside_it_grew(monkeypatch: py
     assert torch.equal(generate(), expected)
     assert engine.current is again  # planned once: what is outside did not grow again
     # A profile saved now is the measured one: the next run plans again only if its caller holds as much.
-    from flextensor.profile_reuse import snapshot_profile
+    from flextensor.profiles.reuse import snapshot_profile
 
     saved = snapshot_profile(engine)
     assert saved.measurements.baseline_bytes == planned.measurements.baseline_bytes

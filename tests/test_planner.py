@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flextensor.errors import BudgetError
-from flextensor.layout import UNIT_ALIGNMENT, align_up
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.planner import (
+from flextensor.plan.layout import UNIT_ALIGNMENT, align_up
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.planner import (
     NO_BUDGET_SLOWDOWN,
     Plan,
     _multipliers,
@@ -30,7 +30,7 @@ from flextensor.planner import (
     minimal_need_bytes,
     plan_offload,
 )
-from flextensor.simulator import simulate
+from flextensor.plan.simulator import simulate
 
 SLOT = 256 * UNIT_ALIGNMENT
 BASELINE = SLOT // 2

@@ -1,4 +1,4 @@
-"""Tests of flextensor.profile_file: JSON round trips, compatibility rules, strict loading, atomic saving."""
+"""Tests of flextensor.profiles.file: JSON round trips, compatibility rules, strict loading, atomic saving."""
 
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flextensor import json_codec
+from flextensor.common import json_codec
+from flextensor.common.json_codec import render_json
+from flextensor.common.sizes import align_up
 from flextensor.errors import ProfileError
-from flextensor.json_codec import render_json
-from flextensor.layout import UNIT_ALIGNMENT, minimal_arena_bytes
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.plan import Plan
-from flextensor.planner import plan_offload
-from flextensor.profile_file import (
+from flextensor.plan.layout import UNIT_ALIGNMENT, minimal_arena_bytes
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.plan import Plan
+from flextensor.plan.planner import plan_offload
+from flextensor.profiles.file import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
     Compatibility,
@@ -38,8 +39,7 @@ from flextensor.profile_file import (
     replan_reasons,
     save_profile_file,
 )
-from flextensor.selection import parameter_signatures
-from flextensor.sizes import align_up
+from flextensor.weights.selection import parameter_signatures
 from spec_model import make_spec_model
 
 N_LAYERS = 4
@@ -890,7 +890,7 @@ def test_random_text_damage_raises_only_profile_error(cut: int, at: int, char: s
 def test_a_host_plan_round_trips_and_is_left_out_without_a_host_budget(tmp_path: Path) -> None:
     """A profile made under a host budget keeps what the budget left the planner (pinned capacity, staged
     and disk copy speeds, disk units); one without writes no ``host`` key, as before."""
-    from flextensor.staged_units import HostPlan
+    from flextensor.plan.host_plan import HostPlan
 
     host = HostPlan(
         capacity_bytes=1 << 20,

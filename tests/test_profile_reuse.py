@@ -10,7 +10,7 @@ import torch
 
 import flextensor
 from flextensor.errors import NotOffloadedError, ProfileError
-from flextensor.layout import minimal_arena_bytes
+from flextensor.plan.layout import minimal_arena_bytes
 from real_models import llama_inputs, tiny_llama
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config

@@ -7,15 +7,15 @@ import torch
 from torch import nn
 
 import flextensor
-from flextensor.measurements import LinkModel
-from flextensor.profiling import (
+from flextensor.phases.profiling import (
     StepSample,
     UnitSample,
     combine_samples,
     sample_from_timeline,
     samples_disagree,
 )
-from flextensor.timeline import Timeline, UnitTiming
+from flextensor.phases.timeline import Timeline, UnitTiming
+from flextensor.plan.measurements import LinkModel
 from streaming import streaming_config
 
 LINK = LinkModel.constant(1e9)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import flextensor
-from flextensor.log import configure_logging
-from flextensor.progress import progress_bar, progress_mode
+from flextensor.common.log import configure_logging
+from flextensor.common.progress import progress_bar, progress_mode
 from spec_model import make_spec_model, spec_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_progress_forced_into_a_log_writes_plain_lines(
 
 
 def test_progress_on_a_terminal_draws_a_bar(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flextensor.progress import ProgressBar
+    from flextensor.common.progress import ProgressBar
 
     bar = ProgressBar("Packing weights", 2**20, unit="bytes", delay_s=0, force_terminal=True)
     bar.advance(2**20)

@@ -23,4 +23,4 @@ def test_readme_demo_command_uses_the_console_script() -> None:
     readme = (ROOT / "README.md").read_text()
     demo = next(b for b in _bash_blocks(readme) if "demo" in b)
     assert demo.endswith("flextensor demo")
-    assert 'flextensor = "flextensor.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'flextensor = "flextensor.cli.main:main"' in (ROOT / "pyproject.toml").read_text()

@@ -14,7 +14,7 @@ from rich.console import Console
 import flextensor
 from engine_helpers import offload_with_placements
 from flextensor.errors import NotOffloadedError
-from flextensor.reporting import Report
+from flextensor.observe.report import Report
 from real_models import llama_inputs, tiny_llama
 
 LAYERS = 4

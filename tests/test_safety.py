@@ -21,13 +21,13 @@ from torch import nn
 
 import flextensor
 from engine_helpers import Stack
-from flextensor import slots
 from flextensor.errors import (
     ConfigError,
     SelectionError,
     UnsupportedModelError,
     UnsupportedOperationError,
 )
+from flextensor.store import device_store as slots
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
 
@@ -74,7 +74,7 @@ def test_a_profiling_forward_interrupted_before_a_units_end_event_is_recorded_is
 ) -> None:
     """Ctrl-C in a unit's post-hook between creating its end event and recording it (found by the sweep
     below): the next forward closed the interrupted one by reading that event and raised PlanError."""
-    from flextensor.profiling import StepProfiler
+    from flextensor.phases.profiling import StepProfiler
 
     x = torch.randn(4, 256)
     with torch.no_grad():
@@ -407,7 +407,7 @@ def test_a_shared_segment_over_the_file_size_limit_is_a_clear_error(tmp_path: ob
     script = textwrap.dedent(
         """
         import resource, torch, flextensor
-        from flextensor import shared_store
+        from flextensor.host.shared import store as shared_store
         shared_store.SHM_DIR = sys.argv[1]
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))

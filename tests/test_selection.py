@@ -13,15 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from flextensor.errors import SelectionError
-from flextensor.patterns import (
+from flextensor.config.patterns import (
     class_names,
     is_class_pattern,
     match_class,
     match_exclude,
     match_include,
 )
-from flextensor.selection import Selection, select
+from flextensor.errors import SelectionError
+from flextensor.weights.selection import Selection, select
 from spec_model import Linear as UserLinear
 from spec_model import make_spec_model
 
@@ -287,8 +287,8 @@ def test_tied_weights_across_units_are_resident_with_reason() -> None:
 
 def test_tied_weight_reached_from_outside_every_unit_streams_with_its_holder_as_an_alias() -> None:
     """A module outside every unit holding a unit's weight (tied) becomes the unit's alias (see [Note:
-    tied aliases] in discovery.py); a holder with units inside it (here the root) cannot be one, and the
-    weight stays resident."""
+    tied aliases] in phases/discovery.py); a holder with units inside it (here the root) cannot be one, and
+    the weight stays resident."""
     sel = quiet_select(tied_model(), ["layers.*", "lm_head"], [])
     assert sel.units == (*layer_units(), "lm_head")
     assert sel.unit_parameters["lm_head"] == ("embed.weight",)  # named as named_parameters names it

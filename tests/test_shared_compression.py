@@ -1,6 +1,6 @@
 """``share_host_memory`` with ``compression="lossless"``: the node holds the compressed weights once, in a
 coded segment the first process encodes and the others map (see [Note: shared coded packs] in
-shared_coded.py). In-process tests offload several models in one process, each holding its segments like
+host/shared/coded.py). In-process tests offload several models in one process, each holding its segments like
 a process would; the killed-creator test runs this file as a script in a child process."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import flextensor
-from flextensor import shared_coded, shared_store
 from flextensor.api import engine_of
-from flextensor.coded_packs import CodedPack
 from flextensor.errors import FlexTensorError
+from flextensor.host.coded_packs import CodedPack
+from flextensor.host.shared import coded as shared_coded
+from flextensor.host.shared import store as shared_store
 from real_models import tiny_llama
 from test_compression import bf16_llama, compressed_config, streams_bit_for_bit
 from test_shared_store import segments
@@ -78,7 +79,7 @@ def test_processes_that_share_the_weights_hold_one_compressed_copy(
 def test_units_that_are_not_coded_move_to_the_coded_segment_as_they_are(
     shm: Path, fast_decoder: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flextensor import pack_compression
+    from flextensor.store import coded_loads as pack_compression
 
     real = pack_compression.coded_dtype
     monkeypatch.setattr(
@@ -235,7 +236,7 @@ def test_a_collision_while_the_first_weights_are_live_again_still_streams_the_ri
 
 def _stalling_child(shm: str) -> None:
     """Offload with sharing and compression, stalling (then killed) after encoding one unit."""
-    from flextensor import pack_compression
+    from flextensor.store import coded_loads as pack_compression
 
     shared_store.SHM_DIR = shm
     pack_compression.probe_decode = lambda runtime, pack, destination: 1e15
@@ -288,8 +289,8 @@ def test_the_raw_copy_packed_again_holds_every_unit_whatever_this_process_holds(
     """A unit whose pack this process holds privately (a resident unit edited in place gets one) is still
     unpacked from the coded copy when the raw segment is packed again for packs held uncompressed: the
     raw segment is whole, and a process that attaches to it later gets every unit's weights."""
-    from flextensor import pack_compression
-    from flextensor.host_store import UnitPack
+    from flextensor.host.packs import UnitPack
+    from flextensor.store import coded_loads as pack_compression
 
     first = shared_compressed(bf16_llama())
     store = engine_of(first).store

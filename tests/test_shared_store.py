@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 import flextensor
-from flextensor import shared_store
 from flextensor.api import engine_of
 from flextensor.errors import FlexTensorError, ProfileError
-from flextensor.layout import provisional_arena_bytes
+from flextensor.host.shared import store as shared_store
+from flextensor.plan.layout import provisional_arena_bytes
 
 WIDTH, DEPTH = 32, 4
 CHILD_TIMEOUT_S = 60

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flextensor.layout import UNIT_ALIGNMENT, ring_layout
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.plan import Plan
-from flextensor.simulator import Simulation, simulate
-from flextensor.sizes import align_up
+from flextensor.common.sizes import align_up
+from flextensor.plan.layout import UNIT_ALIGNMENT, ring_layout
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
+from flextensor.plan.plan import Plan
+from flextensor.plan.simulator import Simulation, simulate
 
 SLOT = 256 * UNIT_ALIGNMENT  # 1 MiB: aligned, so padding never changes the arithmetic
 

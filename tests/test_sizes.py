@@ -1,4 +1,4 @@
-"""Tests for flextensor.sizes: parsing and printing byte sizes."""
+"""Tests for flextensor.common.sizes: parsing and printing byte sizes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flextensor.common.sizes import MAX_BYTES, format_bytes, parse_bytes
 from flextensor.errors import ConfigError
-from flextensor.sizes import MAX_BYTES, format_bytes, parse_bytes
 
 GiB = 2**30
 MiB = 2**20

@@ -1,6 +1,6 @@
 """Weights that are tensor subclasses: wrapper subclasses (torchao, quanto) stay resident with a warning,
 parameter subclasses over a storage of their own (diffusers' GGUF) stream; outputs bitwise either way.
-See [Note: tensor-subclass weights] in tensor_subclasses.py."""
+See [Note: tensor-subclass weights] in weights/subclasses.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 import flextensor
 from engine_helpers import LEARN, Stack, assert_all_equal, first_tensor, run_forwards
 from flextensor.errors import UnsupportedModelError
-from flextensor.tensor_subclasses import is_wrapper_subclass, set_parameter_value
+from flextensor.weights.subclasses import is_wrapper_subclass, set_parameter_value
 from real_models import tiny_wan, wan_inputs
 from streaming import streaming_config
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flextensor.device import DeviceRuntime
-from flextensor.timeline import StepRecorder
+from flextensor.device.runtime import DeviceRuntime
+from flextensor.phases.timeline import StepRecorder
 
 
 def _copy(recorder: StepRecorder, unit: str) -> None:

@@ -1,5 +1,5 @@
 """A budget for the weights alone (a serving engine sizes the rest; see [Note: a budget for the weights
-alone] in plan_policy.py): plans count the weights outside units instead of everything allocated at a
+alone] in engine/policy.py): plans count the weights outside units instead of everything allocated at a
 step's start, and the device store holds the budget's bytes in reserve until its next layout frees them."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 import flextensor
 from engine_helpers import CPU, LEARN, run_forwards
 from flextensor.api import engine_of
-from flextensor.device import DeviceRuntime
+from flextensor.device.runtime import DeviceRuntime
+from flextensor.engine.policy import PlanPolicy
 from flextensor.errors import BudgetError
-from flextensor.layout import UNIT_ALIGNMENT
-from flextensor.measurements import LinkModel, Measurements, UnitMeasurement
-from flextensor.plan_policy import PlanPolicy
+from flextensor.plan.layout import UNIT_ALIGNMENT
+from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement
 from spec_model import make_spec_model, spec_tokens
 
 SLOT = 64 * UNIT_ALIGNMENT
@@ -200,7 +200,7 @@ def test_under_vllm_a_budget_without_room_for_the_staging_of_compressed_loads_wa
     pytest.importorskip("vllm")
     from flextensor.vllm.budget import count_weights_only, weights_outside_units
 
-    monkeypatch.setattr("flextensor.pack_compression.probe_decode", lambda runtime, pack, destination: 1e15)
+    monkeypatch.setattr("flextensor.store.coded_loads.probe_decode", lambda runtime, pack, destination: 1e15)
     model = make_spec_model(n_layers=6).to(torch.bfloat16)
     config = flextensor.OffloadConfig(include_patterns=["layers.*"], compression="lossless", **CPU)
     model = flextensor.offload(model, config)

@@ -87,7 +87,7 @@ def compress_every_unit() -> None:
     hashed into vLLM's compile cache: a run with it would compile graphs of its own, whose GPU kernels
     may round differently), and every unit compressed: the tiny Llama's layers are too small for a coded
     load to pay on its own."""
-    import flextensor.pack_compression as pack_compression
+    import flextensor.store.coded_loads as pack_compression
     from flextensor.vllm import loader
 
     configured = loader.offload_config_from

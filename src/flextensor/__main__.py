@@ -1,5 +1,5 @@
 """``python -m flextensor``: the command line, where the ``flextensor`` script is not on the PATH."""
 
-from .cli import main
+from flextensor.cli.main import main
 
 raise SystemExit(main())

@@ -10,20 +10,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .budgets import check_units_fit
-from .config import OffloadConfig
-from .device import resolve_device, resolve_target
-from .engine import OffloadEngine
-from .errors import AlreadyOffloadedError, ConfigError, NotOffloadedError, UnsupportedOperationError
-from .hooks import entry_method_names
-from .host_budget import HostBudget, host_budget_target, probe_links
-from .packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
-from .selection import select
-from .status import OffloadStatus
-from .tensor_subclasses import refuse_subclass_checkpoint
+from flextensor.config.schema import OffloadConfig
+from flextensor.device.runtime import resolve_device, resolve_target
+from flextensor.engine.budgets import check_units_fit
+from flextensor.engine.controller import OffloadEngine
+from flextensor.engine.status import OffloadStatus
+from flextensor.errors import AlreadyOffloadedError, ConfigError, NotOffloadedError, UnsupportedOperationError
+from flextensor.hooks.model_hooks import entry_method_names
+from flextensor.store.host_budget import HostBudget, host_budget_target, probe_links
+from flextensor.weights.packing import Packing, check_offloadable, mark_offloaded, unmark_offloaded
+from flextensor.weights.selection import select
+from flextensor.weights.subclasses import refuse_subclass_checkpoint
 
 if TYPE_CHECKING:
-    from .profile_file import Profile
+    from flextensor.profiles.file import Profile
 
 logger = logging.getLogger("flextensor")
 
@@ -81,7 +81,7 @@ def offload(
     device, with no other copy of the model in RAM; ``model`` may then be built on the meta device (see
     docs/loading.md). It must match the model exactly: CheckpointError, before anything changes, otherwise.
     """
-    from .pipelines import components_of, offload_pipeline
+    from flextensor.pipelines.pipeline import components_of, offload_pipeline
 
     if components_of(model) is not None:  # a diffusers pipeline, or a mapping of names to modules
         if weights is not None:
@@ -105,7 +105,7 @@ def offload(
     selection = select(model, config.include_patterns, config.exclude_patterns)
     checkpoint = None
     if weights is not None:
-        from .checkpoint import plan_checkpoint_load
+        from flextensor.host.checkpoint import plan_checkpoint_load
 
         if config.share_host_memory:
             raise ConfigError(
@@ -123,7 +123,7 @@ def offload(
         engine = OffloadEngine(model, config, target, units, resident, entry_methods)
         engine.store.set_host_budget(HostBudget(target.host_budget_bytes, target.runtime, target.pin))
         if config.map_embeddings:
-            from .mapped_units import mark_mapped_units
+            from flextensor.store.mapping import mark_mapped_units
 
             mapped = mark_mapped_units(
                 units,
@@ -139,11 +139,11 @@ def offload(
         packing.on_undo(engine.unguard_parameters)
         packing.on_undo(lambda: unmark_offloaded(model))
         packing.on_undo(lambda: model.__dict__.pop(_ENGINE_ATTR, None))
-        check_units_fit(units, engine.policy.mapped, target.budget_bytes)  # see budgets.py
+        check_units_fit(units, engine.policy.mapped, target.budget_bytes)  # see engine/budgets.py
         engine.start()
         profile = None
         if config.profile is not None:
-            from .profile_reuse import read_profile
+            from flextensor.profiles.reuse import read_profile
 
             profile = read_profile(config.profile)
         arena = engine.store.arena
@@ -154,7 +154,7 @@ def offload(
                 compress(engine, arena, profile, str(config.profile))
         del arena  # the profile's layout below frees the learning arena first: no reference may keep it
         if profile is not None:
-            from .profile_reuse import start_from_loaded_profile
+            from flextensor.profiles.reuse import start_from_loaded_profile
 
             start_from_loaded_profile(engine, profile, str(config.profile))
         setattr(model, _ENGINE_ATTR, engine)
@@ -172,10 +172,10 @@ def offload(
 
 def compress(engine: OffloadEngine, arena: torch.Tensor, profile: Profile | None, source: str) -> None:
     """Hold compressed the packs whose loads that speeds up, and tell the planner (see [Note: coded
-    packs] in coded_packs.py); when the run adopts a ``profile``'s plan, only the units it loads
+    packs] in host/coded_packs.py); when the run adopts a ``profile``'s plan, only the units it loads
     compressed."""
-    from .pack_compression import coded_sizes, compress_packs
-    from .profile_reuse import adopted_coded_units
+    from flextensor.profiles.reuse import adopted_coded_units
+    from flextensor.store.coded_loads import coded_sizes, compress_packs
 
     only = None if profile is None else adopted_coded_units(engine, profile, source)
     if only is not None and not only:
@@ -216,7 +216,7 @@ def release(model: nn.Module, device: str | torch.device | None = None) -> nn.Mo
     released with its pipeline only (``release(pipe)``); ``release(pipe.transformer)`` raises
     UnsupportedOperationError, changing nothing.
     """
-    from .pipelines import components_of, release_pipeline
+    from flextensor.pipelines.pipeline import components_of, release_pipeline
 
     if components_of(model) is not None:
         return release_pipeline(model, device)
@@ -232,7 +232,7 @@ def release(model: nn.Module, device: str | torch.device | None = None) -> nn.Mo
 
 
 def release_model(model: nn.Module, device: str | torch.device | None = None) -> nn.Module:
-    """:func:`release` of one offloaded model, a pipeline's component included (pipelines.py)."""
+    """:func:`release` of one offloaded model, a pipeline's component included (pipelines/pipeline.py)."""
     engine = engine_of(model)
     target = resolve_device(str(torch.device(device))) if device is not None else None
     engine.release(target)
@@ -252,8 +252,8 @@ def set_budget(model: nn.Module, budget: int | str | None) -> None:
     forward) runs again at its next forward. A budget that cannot hold the two largest units in flight, or
     a plan made so far, raises BudgetError (with ``needed_bytes``), changing nothing.
     """
-    from .budgets import parse_budget_value, set_engine_budgets
-    from .pipelines import components_of, pipeline_of
+    from flextensor.engine.budgets import parse_budget_value, set_engine_budgets
+    from flextensor.pipelines.pipeline import components_of, pipeline_of
 
     budget_bytes = parse_budget_value(budget)
     if components_of(model) is None:
@@ -288,7 +288,7 @@ def resident_parameters(model: nn.Module) -> list[str]:
 def phase(model: nn.Module) -> str:
     """``"discovery"``, ``"profiling"`` or ``"inference"`` (steady state); of a pipeline, its least
     advanced component's."""
-    from .pipelines import components_of, pipeline_of
+    from flextensor.pipelines.pipeline import components_of, pipeline_of
 
     if components_of(model) is not None:
         return pipeline_of(model).phase()
@@ -307,14 +307,14 @@ def save_profile(model: nn.Module, path: str | os.PathLike[str]) -> None:
     one file holds every component's; ``OffloadConfig(profile=path)`` given to the pipeline's offload
     reloads them all.
     """
-    from .pipelines import components_of, save_pipeline
+    from flextensor.pipelines.pipeline import components_of, save_pipeline
 
-    if components_of(model) is not None:  # one file for every component (pipeline_profile.py)
+    if components_of(model) is not None:  # one file for every component (pipelines/profile.py)
         save_pipeline(model, path)
         logger.info("saved the pipeline's profile to %s", path)
         return
-    from .profile_file import save_profile_file
-    from .profile_reuse import snapshot_profile
+    from flextensor.profiles.file import save_profile_file
+    from flextensor.profiles.reuse import snapshot_profile
 
     save_profile_file(snapshot_profile(engine_of(model)), path)
     logger.info("saved profile to %s", path)

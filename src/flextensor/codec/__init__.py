@@ -14,8 +14,8 @@ program. Modules: ``format`` (the layout and :class:`EncodedTensor`), ``encoder`
 GPU kernel, imported lazily).
 
 How it plugs into the engine: ``OffloadConfig(compression="lossless")``; packs held compressed and their
-loads are coded_packs.py's ([Note: coded packs]), the planner's model of them is [Note: coded loads] in
-measurements.py. ``device="cpu"`` decodes with :func:`decode_reference`, so the CPU tests exercise the
+loads are host/coded_packs.py's ([Note: coded packs]), the planner's model of them is [Note: coded loads] in
+plan/measurements.py. ``device="cpu"`` decodes with :func:`decode_reference`, so the CPU tests exercise the
 same path the GPU runs; outputs stay bit-for-bit those of the uncompressed model.
 """
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CodecError
-from .encoder import encode
-from .format import CODED_DTYPES, DEFAULT_CHUNK_ELEMENTS, EncodedTensor
-from .reference import decode_reference
+from flextensor.codec.encoder import encode
+from flextensor.codec.format import CODED_DTYPES, DEFAULT_CHUNK_ELEMENTS, EncodedTensor
+from flextensor.codec.reference import decode_reference
+from flextensor.errors import CodecError
 
 __all__ = [
     "CODED_DTYPES",
@@ -65,7 +65,7 @@ def decode(encoded: EncodedTensor, out: torch.Tensor | None = None) -> torch.Ten
         out.view(-1).view(torch.uint8).copy_(encoded.data)
         return out
     try:
-        from .triton_decoder import decode_triton
+        from flextensor.codec.triton_decoder import decode_triton
     except ImportError as error:
         raise CodecError(
             "decoding a compressed stream on CUDA needs Triton, which this torch build lacks: install the "

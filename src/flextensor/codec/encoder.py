@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from .format import (
+from flextensor.codec.format import (
     CODED_DTYPES,
     DEFAULT_CHUNK_ELEMENTS,
     LITERAL_WIDTH,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CodecError
+from flextensor.errors import CodecError
 
 __all__ = [
     "CODED_DTYPES",

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CodecError
-from .format import LITERAL_WIDTH, EncodedTensor, join_bytes
+from flextensor.codec.format import LITERAL_WIDTH, EncodedTensor, join_bytes
+from flextensor.errors import CodecError
 
 __all__ = ["decode_reference"]
 

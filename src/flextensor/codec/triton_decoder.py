@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .format import LITERAL_WIDTH, EncodedTensor
+from flextensor.codec.format import LITERAL_WIDTH, EncodedTensor
 
 __all__ = ["decode_triton"]
 

@@ -7,7 +7,7 @@ offloader) are imported only when vLLM loads its plugins.
 
 from __future__ import annotations
 
-from .worker import WorkerExtension
+from flextensor.vllm.worker import WorkerExtension
 
 __all__ = ["LOAD_FORMAT", "WorkerExtension", "register"]
 
@@ -17,4 +17,4 @@ LOAD_FORMAT = "flextensor"
 def register() -> None:
     """vLLM's plugin hook: make ``load_format="flextensor"`` known. Called once per vLLM process (main,
     engine core, each worker); importing the loader module registers it, so a second call does nothing."""
-    from . import loader  # noqa: F401
+    from flextensor.vllm import loader  # noqa: F401

@@ -2,7 +2,7 @@
 
 vLLM sizes its KV cache from the device memory the model holds when its loader returns, and its
 activations from a warm-up step; flextensor's budget then covers only what flextensor places (see [Note: a
-budget for the weights alone] in plan_policy.py). On a GPU the loader holds the budget's bytes until vLLM
+budget for the weights alone] in engine/policy.py). On a GPU the loader holds the budget's bytes until vLLM
 has measured them, so the KV cache is sized around the layouts the plans will make.
 """
 
@@ -15,10 +15,10 @@ import weakref
 from torch import nn
 
 from flextensor.api import engine_of
+from flextensor.common.sizes import align_up, format_bytes
 from flextensor.errors import BudgetError
-from flextensor.layout import UNIT_ALIGNMENT, provisional_arena_bytes
-from flextensor.simulator import coded_staging_bytes
-from flextensor.sizes import align_up, format_bytes
+from flextensor.plan.layout import UNIT_ALIGNMENT, provisional_arena_bytes
+from flextensor.plan.simulator import coded_staging_bytes
 
 logger = logging.getLogger("flextensor")
 

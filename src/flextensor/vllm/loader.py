@@ -21,10 +21,9 @@ from vllm.model_executor.model_loader import get_model_loader, register_model_lo
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.offloader import base as offloader_base
 
-from flextensor.config import OffloadConfig
+from flextensor.config.schema import OffloadConfig
 from flextensor.errors import ConfigError, UnsupportedOperationError
-
-from .offloader import FlexTensorOffloader
+from flextensor.vllm.offloader import FlexTensorOffloader
 
 logger = logging.getLogger("flextensor")
 

@@ -19,7 +19,7 @@ vLLM asks the installed offloader for three things, and this class answers them 
 * ``sync_prev_onload`` / ``join_after_forward``: vLLM's CUDA-graph wrappers call them before a capture or
   replay, and inside a capture after the captured forward. Before the first capture the engine ends its
   learning with a plan and keeps that layout for every batch size from then on (vLLM warms each size up
-  once, then captures it; see [Note: captured forwards] in cuda_graphs.py). Then the compute stream
+  once, then captures it; see [Note: captured forwards] in engine/cuda_graphs.py). Then the compute stream
   waits for flextensor's copy stream (and for the decode stream of compressed loads), so copies queued
   before land first, and a capture never ends with either stream forked. GPU only: on CPU vLLM never
   calls them.
@@ -36,11 +36,10 @@ from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.offloader.base import BaseOffloader
 
 from flextensor.api import engine_of, offload, release
-from flextensor.config import OffloadConfig
+from flextensor.config.schema import OffloadConfig
 from flextensor.errors import BudgetError
-from flextensor.profile_reuse import start_from_profile
-
-from .budget import count_weights_only, hold_budget_in_reserve
+from flextensor.profiles.reuse import start_from_profile
+from flextensor.vllm.budget import count_weights_only, hold_budget_in_reserve
 
 __all__ = [
     "FlexTensorOffloader",
@@ -140,7 +139,7 @@ class FlexTensorOffloader(BaseOffloader):
         # budget is planned again here, and must not count the KV cache its measurements saw.
         try:
             offload(model, config.model_copy(update={"profile": None}))
-        except BudgetError as error:  # below the units in flight (budgets.py): say what it counts here
+        except BudgetError as error:  # below the units in flight (engine/budgets.py): say what it counts here
             raise BudgetError(
                 f"{error} (under vLLM the budget counts the weights alone, those outside the layers too; "
                 "vLLM sizes the KV cache and activations from what is left)",
@@ -150,7 +149,7 @@ class FlexTensorOffloader(BaseOffloader):
         engine = engine_of(model)
         # vLLM's compiled graphs read some weights through .data (its RMSNorm): order the compiled ops by
         # the layers' activations (see compiled.written_inputs), and give the parameters their own class
-        # back: Dynamo cannot trace the .data guard of weight_edits.py (a served model is not edited in
+        # back: Dynamo cannot trace the .data guard of weights/edits.py (a served model is not edited in
         # place, so nothing is lost by it).
         engine.hooks.order_by_inputs = True
         engine.unguard_parameters()

@@ -1,0 +1,4 @@
+"""The ``flextensor`` command and its demo.
+
+May import: anything in flextensor.
+"""
