@@ -9,6 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from flextensor.config.devices import resolve_device
 from flextensor.config.schema import OffloadConfig
 from flextensor.config.sources import ENV_VARS
 from flextensor.errors import ConfigError
@@ -281,3 +282,56 @@ def test_profile_need_not_exist_yet(tmp_path: Path) -> None:
 def test_profile_errors(value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         OffloadConfig(profile=value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the device means on this machine (config/devices.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, available: bool, current: int = 0, count: int = 1) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_resolve_device_unset_without_cuda_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, available=False)
+    assert resolve_device(None) == torch.device("cpu")
+
+
+def test_resolve_device_unset_with_cuda_is_current_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, available=True, current=2, count=4)
+    assert resolve_device(None) == torch.device("cuda", 2)
+
+
+def test_resolve_device_bare_cuda_gets_current_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, available=True, current=1, count=2)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+
+
+def test_resolve_device_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, available=True, current=0, count=2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_resolve_device_cuda_without_cuda_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, available=False)
+    with pytest.raises(ConfigError, match=r"CUDA is not available.*device='cpu'"):
+        resolve_device("cuda")
+
+
+def test_resolve_device_missing_index_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, available=True, count=2)
+    with pytest.raises(ConfigError, match="only 2 CUDA device"):
+        resolve_device("cuda:2")
+
+
+def test_resolved_device_of_a_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, available=True, current=1, count=2)
+    assert OffloadConfig(device="cuda").resolved_device() == torch.device("cuda", 1)
+    _fake_cuda(monkeypatch, available=False)
+    config = OffloadConfig(device="cuda")  # the syntax is fine: CUDA is asked for when resolving
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        config.resolved_device()

@@ -1,4 +1,5 @@
-"""Tests for flextensor.device.runtime: resolving device, pinning and budget once, and the CPU stand-ins."""
+"""Tests for flextensor.device.runtime: resolving pinning and budget once, and the CPU stand-ins (what the
+device itself means: tests/test_config.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from flextensor.config.schema import OffloadConfig
-from flextensor.device.runtime import HostEvent, HostStream, resolve_budget, resolve_device, resolve_pinning
+from flextensor.device.runtime import HostEvent, HostStream, resolve_budget, resolve_pinning
 from flextensor.errors import ConfigError, PlanError
 
 GiB = 2**30
@@ -15,45 +16,6 @@ GiB = 2**30
 # ----------------------------------------------------------------------------------------------------------
 # Resolution
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, available: bool, current: int = 0, count: int = 1) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-
-
-def test_resolve_device_unset_without_cuda_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_cuda(monkeypatch, available=False)
-    assert resolve_device(None) == torch.device("cpu")
-
-
-def test_resolve_device_unset_with_cuda_is_current_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_cuda(monkeypatch, available=True, current=2, count=4)
-    assert resolve_device(None) == torch.device("cuda", 2)
-
-
-def test_resolve_device_bare_cuda_gets_current_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_cuda(monkeypatch, available=True, current=1, count=2)
-    assert resolve_device("cuda") == torch.device("cuda", 1)
-
-
-def test_resolve_device_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_cuda(monkeypatch, available=True, current=0, count=2)
-    assert resolve_device("cuda:1") == torch.device("cuda", 1)
-    assert resolve_device("cpu") == torch.device("cpu")
-
-
-def test_resolve_device_cuda_without_cuda_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_cuda(monkeypatch, available=False)
-    with pytest.raises(ConfigError, match=r"CUDA is not available.*device='cpu'"):
-        resolve_device("cuda")
-
-
-def test_resolve_device_missing_index_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_cuda(monkeypatch, available=True, count=2)
-    with pytest.raises(ConfigError, match="only 2 CUDA device"):
-        resolve_device("cuda:2")
 
 
 @pytest.mark.parametrize(

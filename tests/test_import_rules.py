@@ -51,7 +51,6 @@ NO_TORCH = ("plan",)
 KNOWN_VIOLATIONS: set[tuple[str, str]] = {
     ("flextensor.cli.demo", "flextensor"),
     ("flextensor.cli.main", "flextensor"),
-    ("flextensor.config.schema", "flextensor.device.runtime"),
     ("flextensor.hooks.functions", "flextensor.engine.policy"),
     ("flextensor.host.coded_packs", "flextensor.store.units"),
     ("flextensor.host.shared.coded", "flextensor.store.units"),
@@ -88,10 +87,6 @@ KNOWN_CYCLES: list[tuple[str, ...]] = [
         "flextensor.weights.access",
         "flextensor.weights.edits",
         "flextensor.weights.structure_guard",
-    ),
-    (
-        "flextensor.config.schema",
-        "flextensor.device.runtime",
     ),
     (
         "flextensor.host.shared.coded",

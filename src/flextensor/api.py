@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from flextensor.config.devices import resolve_device
 from flextensor.config.schema import OffloadConfig
-from flextensor.device.runtime import resolve_device, resolve_target
+from flextensor.device.runtime import resolve_target
 from flextensor.engine.budgets import check_units_fit
 from flextensor.engine.controller import OffloadEngine
 from flextensor.engine.status import OffloadStatus

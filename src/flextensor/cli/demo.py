@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from flextensor.common.sizes import format_bytes, parse_bytes
+from flextensor.config.devices import resolve_device
 from flextensor.config.schema import OffloadConfig
-from flextensor.device.runtime import resolve_device
 
 if TYPE_CHECKING:
     from rich.console import RenderableType

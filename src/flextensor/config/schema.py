@@ -408,12 +408,12 @@ class OffloadConfig(BaseModel):
 
     def resolved_device(self) -> torch.device:
         """The device offload() will use for this config: :attr:`device`, or the current CUDA device
-        when unset and CUDA is available, else CPU (see ``flextensor.device.runtime.resolve_device``).
+        when unset and CUDA is available, else CPU (see ``flextensor.config.devices.resolve_device``).
 
         Raises:
             ConfigError: the device is CUDA but CUDA is not available, or its index does not exist.
         """
-        from flextensor.device.runtime import resolve_device
+        from flextensor.config.devices import resolve_device  # imports torch
 
         return resolve_device(self.device)
 

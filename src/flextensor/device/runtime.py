@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flextensor.config.devices import resolve_device
 from flextensor.device.cudart import CudartCalls
 from flextensor.errors import ConfigError, PlanError
 
@@ -34,7 +35,6 @@ __all__ = [
     "HostStream",
     "Target",
     "distributed_place",
-    "resolve_device",
     "resolve_target",
 ]
 
@@ -275,34 +275,6 @@ class Target:
     runtime: DeviceRuntime
     host_budget_bytes: int | None = None
     host_limits: HostLimits | None = None
-
-
-def resolve_device(device: str | None) -> torch.device:
-    """The device to use for a config's ``device``: itself, or the current CUDA device when unset and
-    CUDA is available, else CPU. A bare ``'cuda'`` resolves to the current CUDA device with its index.
-
-    Raises:
-        ConfigError: the device is CUDA but CUDA is not available, or its index does not exist.
-    """
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    resolved = torch.device(device)
-    if resolved.type != "cuda":
-        return resolved
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"device is {device!r} but CUDA is not available here; set device='cpu' or leave it unset"
-        )
-    if resolved.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    count = torch.cuda.device_count()
-    if resolved.index >= count:
-        raise ConfigError(
-            f"device is {device!r} but only {count} CUDA device(s) exist; use an index below {count}"
-        )
-    return resolved
 
 
 def resolve_pinning(pinned_memory: bool | None, device: torch.device) -> bool:
