@@ -15,7 +15,7 @@ from torch import nn
 
 import flextensor
 from flextensor.api import engine_of
-from flextensor.engine.policy import input_signature
+from flextensor.hooks.functions import input_signature
 from flextensor.phases.profiling import EXTRA_FORWARDS
 from flextensor.plan.layout import provisional_arena_bytes
 from spec_model import make_spec_model, spec_tokens

@@ -19,8 +19,8 @@ from engine_helpers import (
     offload_with_placements,
     run_forwards,
 )
-from flextensor.engine.policy import input_signature
 from flextensor.errors import AlreadyOffloadedError, NotOffloadedError, SelectionError
+from flextensor.hooks.functions import input_signature
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config
 

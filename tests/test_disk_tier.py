@@ -17,7 +17,7 @@ from torch import nn
 import flextensor
 import flextensor.host.checkpoint as checkpoint
 from engine_helpers import LEARN, assert_all_equal, first_tensor, install_placement, run_forwards
-from flextensor.engine.policy import input_signature
+from flextensor.hooks.functions import input_signature
 from flextensor.host.disk import READ_AHEAD, plan_disk_tier
 from flextensor.host.staging import staging_layout
 from flextensor.plan.host_plan import HostPlan, choose_staged, pack_bytes

@@ -22,7 +22,7 @@ import flextensor
 from engine_helpers import LEARN, install_placement, run_forwards
 from flextensor.api import engine_of
 from flextensor.engine.edit_session import EditSession, WorkingSet
-from flextensor.engine.policy import input_signature
+from flextensor.hooks.functions import input_signature
 from real_models import llama_inputs, tiny_llama
 from streaming import streaming_config
 

@@ -36,8 +36,8 @@ from engine_helpers import (
     uploads,
 )
 from flextensor.api import engine_of
-from flextensor.engine.policy import input_signature
 from flextensor.errors import PlanError
+from flextensor.hooks.functions import input_signature
 from flextensor.phases.profiling import EXTRA_FORWARDS
 from flextensor.plan.layout import UNIT_ALIGNMENT, provisional_arena_bytes
 from flextensor.plan.measurements import LinkModel, Measurements, UnitMeasurement

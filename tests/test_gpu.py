@@ -179,7 +179,7 @@ def test_resident_units_drop_their_host_copy_and_get_it_back_pinned_when_they_st
     bit for bit throughout."""
     import dataclasses
 
-    from flextensor.engine.policy import input_signature
+    from flextensor.hooks.functions import input_signature
     from flextensor.plan.layout import provisional_arena_bytes
 
     lengths = (64, 256)

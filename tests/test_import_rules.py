@@ -51,7 +51,6 @@ NO_TORCH = ("plan",)
 KNOWN_VIOLATIONS: set[tuple[str, str]] = {
     ("flextensor.cli.demo", "flextensor"),
     ("flextensor.cli.main", "flextensor"),
-    ("flextensor.hooks.functions", "flextensor.engine.policy"),
     ("flextensor.host.coded_packs", "flextensor.store.units"),
     ("flextensor.host.shared.coded", "flextensor.store.units"),
     ("flextensor.host.shared.store", "flextensor.weights.selection"),

@@ -16,8 +16,8 @@ from torch import nn
 import flextensor
 from engine_helpers import LEARN, LEARN_COMPILED, install_placement, run_forwards, run_until_steady
 from flextensor.api import engine_of
-from flextensor.engine.policy import input_signature
 from flextensor.errors import UnsupportedOperationError
+from flextensor.hooks.functions import input_signature
 from flextensor.plan.planner import minimal_need_bytes
 from nesting_models import Block, LateNesting
 from streaming import streaming_config

@@ -10,7 +10,6 @@ from torch import nn
 import flextensor
 from engine_helpers import install_placement
 from flextensor.api import engine_of
-from flextensor.engine.policy import input_signature
 from flextensor.errors import (
     ConfigError,
     NotOffloadedError,
@@ -18,6 +17,7 @@ from flextensor.errors import (
     SelectionError,
     UnsupportedOperationError,
 )
+from flextensor.hooks.functions import input_signature
 from flextensor.host.packs import pack_layout
 from flextensor.pipelines.configs import default_unit_patterns
 from flextensor.pipelines.methods import CALL_END_METHOD, REFUSED_METHODS

@@ -10,8 +10,8 @@ from torch import nn
 
 import flextensor
 from engine_helpers import CPU, LEARN, assert_all_equal, run_forwards
-from flextensor.engine.policy import input_signature
 from flextensor.errors import BackwardNotSupportedError
+from flextensor.hooks.functions import input_signature
 from real_models import llama_inputs, tiny_llama, tiny_wan, wan_inputs
 from spec_model import make_spec_model, spec_tokens
 from streaming import streaming_config

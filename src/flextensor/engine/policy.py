@@ -1,9 +1,9 @@
 """Which plan serves which inputs, and the limits a plan must fit on this device.
 
 Plans are cached per *input signature*: the bucketed shapes of the tensors a forward receives (see
-:func:`input_signature`). :class:`PlanPolicy` makes plans under the budget (or, without one, within the
-device's share), below the peak of a plan whose layout ran out of memory, and chooses which resident
-units stay resident while a new input shape is profiled.
+``input_signature`` in hooks/functions.py). :class:`PlanPolicy` makes plans under the budget (or, without
+one, within the device's share), below the peak of a plan whose layout ran out of memory, and chooses
+which resident units stay resident while a new input shape is profiled.
 
 [Note: a budget for the weights alone] A serving engine (vLLM) sizes its own device memory: it measures
 the model's weights after loading and its activations in a warm-up step, and gives the rest to its KV
@@ -51,7 +51,6 @@ __all__ = [
     "NO_BUDGET_DEVICE_FRACTION",
     "PlanEntry",
     "PlanPolicy",
-    "input_signature",
     "without_coding",
 ]
 
@@ -273,21 +272,3 @@ def without_coding(measurements: Measurements) -> Measurements:
     """``measurements`` as if no pack were held compressed."""
     units = tuple(replace(u, coded_nbytes=None, coded_piece_nbytes=None) for u in measurements.units)
     return replace(measurements, units=units, decode_bps=None)
-
-
-def _bucket(n: int) -> int:
-    """Round a dimension up to a power of two: a decode loop whose mask grows by one each step re-plans
-    log2(length) times, not every step."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def input_signature(args: tuple, kwargs: dict) -> tuple[str, ...]:
-    """Bucketed shapes of the tensors passed to the model's forward: what the plan's activations depend
-    on. Each dimension is rounded up to a power of two (see _bucket)."""
-    shapes = [
-        f"{i}:{tuple(map(_bucket, a.shape))}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)
-    ]
-    shapes += [
-        f"{k}:{tuple(map(_bucket, v.shape))}" for k, v in kwargs.items() if isinstance(v, torch.Tensor)
-    ]
-    return tuple(shapes)

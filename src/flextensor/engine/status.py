@@ -51,7 +51,7 @@ class OffloadStatus:
     """A snapshot of one offloaded model (see the module docstring).
 
     ``units``: in execution order once discovered. ``plans``: every plan made so far, keyed by the
-    bucketed input signature it serves (see ``flextensor.engine.controller.input_signature``); ``plan`` the
+    bucketed input signature it serves (see ``flextensor.hooks.functions.input_signature``); ``plan`` the
     one in force (None while learning). ``forward_running``: a forward is in progress on some thread.
     ``uploads``: resident units copied to the device; ``pack_rebuilds``: host packs built again from
     device storage; ``layouts``: device layouts made (plans applied, profiling layouts).

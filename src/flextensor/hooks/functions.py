@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 
-from flextensor.engine.policy import input_signature
 from flextensor.hooks import compiled_ops as compiled
 from flextensor.hooks.compiled_ops import written_inputs, written_outputs
 
@@ -25,6 +24,7 @@ __all__ = [
     "alias_post_hook",
     "alias_pre_hook",
     "entry_point",
+    "input_signature",
     "mark",
     "mark_alias",
     "model_post_hook",
@@ -144,6 +144,24 @@ def model_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
     if hooks.stance is not None and not hooks._controller.bracket.running:
         stance, hooks.stance = hooks.stance, None
         stance.__exit__(None, None, None)
+
+
+def _bucket(n: int) -> int:
+    """Round a dimension up to a power of two: a decode loop whose mask grows by one each step re-plans
+    log2(length) times, not every step."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """Bucketed shapes of the tensors passed to the model's forward: what the plan's activations depend
+    on. Each dimension is rounded up to a power of two (see _bucket)."""
+    shapes = [
+        f"{i}:{tuple(map(_bucket, a.shape))}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+    ]
+    shapes += [
+        f"{k}:{tuple(map(_bucket, v.shape))}" for k, v in kwargs.items() if isinstance(v, torch.Tensor)
+    ]
+    return tuple(shapes)
 
 
 def step_signature(args: tuple, kwargs: dict, entry: str | None) -> tuple[str, ...]:
