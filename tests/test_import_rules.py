@@ -51,10 +51,7 @@ NO_TORCH = ("plan",)
 KNOWN_VIOLATIONS: set[tuple[str, str]] = {
     ("flextensor.cli.demo", "flextensor"),
     ("flextensor.cli.main", "flextensor"),
-    ("flextensor.host.coded_packs", "flextensor.store.units"),
-    ("flextensor.host.shared.coded", "flextensor.store.units"),
     ("flextensor.host.shared.store", "flextensor.weights.selection"),
-    ("flextensor.host.shared.unpack", "flextensor.store.units"),
     ("flextensor.pipelines.pipeline", "flextensor"),
     ("flextensor.pipelines.pipeline", "flextensor.api"),
     ("flextensor.profiles.reuse", "flextensor"),

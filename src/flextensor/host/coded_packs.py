@@ -42,7 +42,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -51,12 +51,9 @@ from flextensor.codec.format import CODED_DTYPES
 from flextensor.common.sizes import align_up
 from flextensor.device.runtime import DeviceRuntime
 from flextensor.errors import CodecError
-from flextensor.host.packs import PackedParameter, PackOwner, UnitPack
+from flextensor.host.packs import HasPack, PackedParameter, PackOwner, UnitPack
 from flextensor.plan.measurements import CODED_PIECE_BYTES
 from flextensor.plan.simulator import CODED_STAGING_SLOTS
-
-if TYPE_CHECKING:
-    from flextensor.store.units import Unit
 
 logger = logging.getLogger("flextensor")
 
@@ -259,6 +256,20 @@ class CodedPack(UnitPack):
         )
 
 
+class LoadedUnit(HasPack, Protocol):
+    """What a coded load reads of a unit besides its pack: its device range, the staging ring its copies
+    go through (None when its pack is pinned) and the event its load records."""
+
+    @property
+    def storage(self) -> torch.Tensor | None: ...
+
+    @property
+    def staging(self) -> Any: ...
+
+    @property
+    def copy_done(self) -> Any: ...
+
+
 @dataclass(frozen=True)
 class PreparedLoad:
     """The views one coded load of a unit works with, made once (not per forward): per piece its bytes in
@@ -271,7 +282,7 @@ class PreparedLoad:
     pieces: tuple[tuple[torch.Tensor, tuple[tuple[torch.Tensor, EncodedTensor], ...], torch.Tensor], ...]
 
     @classmethod
-    def of(cls, unit: Unit, slots: Sequence[torch.Tensor]) -> PreparedLoad:
+    def of(cls, unit: LoadedUnit, slots: Sequence[torch.Tensor]) -> PreparedLoad:
         pack, storage = unit.pack, unit.storage
         assert isinstance(pack, CodedPack) and storage is not None
         source = pack.copy_source
@@ -285,7 +296,7 @@ class PreparedLoad:
             pieces.append((source[piece.start : piece.start + piece.nbytes], staged, out))
         return cls(pack, source.data_ptr(), storage.data_ptr(), tuple(pieces))
 
-    def serves(self, unit: Unit) -> bool:
+    def serves(self, unit: LoadedUnit) -> bool:
         pack, storage = unit.pack, unit.storage
         return (
             pack is self.pack
@@ -322,7 +333,7 @@ class CodedLoads:
     def nbytes(self) -> int:
         return sum(slot.numel() for slot in self.slots)
 
-    def load(self, unit: Unit, copy_stream: Any) -> None:
+    def load(self, unit: LoadedUnit, copy_stream: Any) -> None:
         """Copy each piece of ``unit``'s compressed pack into a slot (on ``copy_stream``, the current
         stream) and decode it into its part of the unit's range on the decode stream, which then records
         ``unit.copy_done``."""
@@ -356,7 +367,7 @@ class CodedLoads:
         self._record(unit.copy_done, decode_stream)
         self._record(self.last_decode, decode_stream)
 
-    def wait_decoded(self, stream: Any, unit: Unit) -> None:
+    def wait_decoded(self, stream: Any, unit: LoadedUnit) -> None:
         """Order what ``stream`` issues next after the decode of ``unit``'s latest load (and every decode
         before it: the decode stream runs them in order)."""
         self._wait(stream, unit.copy_done)

@@ -367,6 +367,23 @@ class UnitPack:
         )
 
 
+class HasPack(Protocol):
+    """What host code reads of an offload unit (``Unit`` in store/units.py, a layer above): its name, its
+    pack's layout, and the host pack it holds now."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def entries(self) -> tuple[PackedParameter, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def pack(self) -> UnitPack | None: ...
+
+
 def check_not_meta(named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
     """Raise if a parameter to be packed has no data (built under ``torch.device("meta")``)."""
     for name, param in named:

@@ -44,7 +44,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 
@@ -52,7 +52,7 @@ from flextensor.codec.format import DEFAULT_CHUNK_ELEMENTS
 from flextensor.common.sizes import align_up, format_bytes
 from flextensor.errors import SharedMemoryError
 from flextensor.host.coded_packs import CodedPack
-from flextensor.host.packs import PAGE, UnitPack
+from flextensor.host.packs import PAGE, HasPack, UnitPack
 from flextensor.host.shared.segments import (
     create_segment,
     grow_segment,
@@ -65,9 +65,6 @@ from flextensor.host.shared.segments import (
 )
 from flextensor.host.shared.store import POLL_S, SharedSegment, abandon, publish
 from flextensor.plan.measurements import CODED_PIECE_BYTES
-
-if TYPE_CHECKING:
-    from flextensor.store.units import Unit
 
 logger = logging.getLogger("flextensor")
 
@@ -87,7 +84,8 @@ CODED_SEGMENT_FORMAT = 1
 SHARED_CODED_TIMEOUT_S = 600.0
 """How long a process waits for another to finish encoding the coded segment."""
 
-Encode = Callable[["Unit"], "CodedPack | None"]
+AnyUnit = TypeVar("AnyUnit", bound=HasPack)
+"""The units' own type (the store's ``Unit``), which ``encode`` is given back."""
 
 
 def coded_segment_name(raw_path: str) -> str:
@@ -98,8 +96,8 @@ def coded_segment_name(raw_path: str) -> str:
 
 
 def share_coded(
-    units: Sequence[Unit],
-    encode: Encode,
+    units: Sequence[AnyUnit],
+    encode: Callable[[AnyUnit], CodedPack | None],
     decode_on: torch.device | None,
     timeout_s: float | None = None,
 ) -> dict[str, UnitPack] | None:
@@ -157,7 +155,7 @@ def share_coded(
         time.sleep(POLL_S)
 
 
-def owning_segment(units: Sequence[Unit]) -> SharedSegment:
+def owning_segment(units: Sequence[HasPack]) -> SharedSegment:
     owners = {id(u.pack.owner): u.pack.owner for u in units if u.pack is not None}
     (owner,) = owners.values()  # one model's packs are ranges of one segment
     assert isinstance(owner, SharedSegment)
@@ -165,7 +163,11 @@ def owning_segment(units: Sequence[Unit]) -> SharedSegment:
 
 
 def _encode_as_creator(
-    path: str, fd: int, units: Sequence[Unit], encode: Encode, raw: SharedSegment
+    path: str,
+    fd: int,
+    units: Sequence[AnyUnit],
+    encode: Callable[[AnyUnit], CodedPack | None],
+    raw: SharedSegment,
 ) -> dict[str, UnitPack]:
     """Fill a coded segment this process just created (holding its exclusive lock), unit by unit, then
     its index, and mark it READY."""
@@ -225,7 +227,7 @@ def _write(fd: int, data: torch.Tensor, offset: int) -> None:
 
 
 def _attach(
-    path: str, fd: int, units: Sequence[Unit], raw: SharedSegment, decode_on: torch.device | None
+    path: str, fd: int, units: Sequence[HasPack], raw: SharedSegment, decode_on: torch.device | None
 ) -> dict[str, UnitPack] | None:
     """Packs over a READY coded segment (this process holds a shared lock on ``fd``); None, with the
     segment left as it was, when it was encoded from another packing of the raw segment and its bytes
@@ -263,7 +265,9 @@ def _attach(
     return packs
 
 
-def _pack_over(segment: SharedSegment, unit: Unit, offset: int, nbytes: int, record: dict | None) -> UnitPack:
+def _pack_over(
+    segment: SharedSegment, unit: HasPack, offset: int, nbytes: int, record: dict | None
+) -> UnitPack:
     return pack_over(segment, unit.name, unit.entries, offset, nbytes, record)
 
 
@@ -292,7 +296,7 @@ def decode_to(pack: CodedPack, decode_on: torch.device | None, out: torch.Tensor
     return out
 
 
-def _holds(packs: dict[str, UnitPack], units: dict[str, Unit], decode_on: torch.device | None) -> bool:
+def _holds(packs: dict[str, UnitPack], units: dict[str, HasPack], decode_on: torch.device | None) -> bool:
     """Whether the packs hold exactly the bytes of the units' own packs, each decoded if coded."""
     for name, pack in packs.items():
         mine = units[name].pack

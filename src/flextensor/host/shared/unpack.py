@@ -14,11 +14,10 @@ import mmap
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from flextensor.host.packs import UnitPack
+from flextensor.host.packs import HasPack, UnitPack
 from flextensor.host.shared.coded import (
     SHARED_CODED_TIMEOUT_S,
     coded_segment_name,
@@ -39,9 +38,6 @@ from flextensor.host.shared.segments import (
     segment_mutex,
 )
 from flextensor.host.shared.store import POLL_S, SharedSegment
-
-if TYPE_CHECKING:
-    from flextensor.store.units import Unit
 
 logger = logging.getLogger("flextensor")
 
@@ -66,8 +62,8 @@ def _open_coded(path: str) -> SharedSegment | None:
 
 
 def raw_again(
-    units: Sequence[Unit],
-    everyone: Sequence[Unit],
+    units: Sequence[HasPack],
+    everyone: Sequence[HasPack],
     decode_on: torch.device | None,
     timeout_s: float | None = None,
 ) -> dict[str, UnitPack] | None:
@@ -113,7 +109,7 @@ def raw_again(
         raw.pack_freed()
 
 
-def _raw_layout(index: dict, units: dict[str, Unit]) -> SegmentLayout:
+def _raw_layout(index: dict, units: dict[str, HasPack]) -> SegmentLayout:
     """The raw segment a coded segment's ``index`` was made from, laid out for the model's ``units``."""
     return SegmentLayout(
         tuple(
