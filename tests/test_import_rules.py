@@ -51,7 +51,6 @@ NO_TORCH = ("plan",)
 KNOWN_VIOLATIONS: set[tuple[str, str]] = {
     ("flextensor.cli.demo", "flextensor"),
     ("flextensor.cli.main", "flextensor"),
-    ("flextensor.host.shared.store", "flextensor.weights.selection"),
     ("flextensor.pipelines.pipeline", "flextensor"),
     ("flextensor.pipelines.pipeline", "flextensor.api"),
     ("flextensor.profiles.reuse", "flextensor"),

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from flextensor.common import json_codec
 from flextensor.common.json_codec import render_json
+from flextensor.common.parameters import parameter_signatures
 from flextensor.common.sizes import align_up
 from flextensor.errors import ProfileError
 from flextensor.plan.layout import UNIT_ALIGNMENT, minimal_arena_bytes
@@ -39,7 +40,6 @@ from flextensor.profiles.file import (
     replan_reasons,
     save_profile_file,
 )
-from flextensor.weights.selection import parameter_signatures
 from spec_model import make_spec_model
 
 N_LAYERS = 4

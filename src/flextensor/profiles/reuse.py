@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flextensor.common.parameters import parameter_signatures
 from flextensor.device.runtime import distributed_place
 from flextensor.errors import NotOffloadedError, ProfileError
 from flextensor.profiles.file import (
@@ -27,7 +28,6 @@ from flextensor.profiles.file import (
     load_profile_file,
     replan_reasons,
 )
-from flextensor.weights.selection import parameter_signatures
 
 if TYPE_CHECKING:
     from flextensor.engine.controller import OffloadEngine

@@ -82,18 +82,6 @@ class Selection:
         )
 
 
-def parameter_signatures(model: nn.Module) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    """(FQN, shape, dtype string) of every parameter of ``model``, in ``named_parameters`` order.
-
-    Read from the tensor metadata only, so this works on meta and offloaded parameters alike: what a
-    saved profile and a shared host segment are fingerprinted with.
-    """
-    return tuple(
-        (name, tuple(int(d) for d in param.shape), str(param.dtype))
-        for name, param in model.named_parameters()
-    )
-
-
 def select(model: nn.Module, include_patterns: Sequence[str], exclude_patterns: Sequence[str]) -> Selection:
     """Resolve ``include_patterns`` and ``exclude_patterns`` against ``model`` into a ``Selection``.
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from flextensor.common.parameters import parameter_signatures
 from flextensor.common.sizes import align_up, format_bytes
 from flextensor.errors import SharedMemoryError
 from flextensor.host.packs import (
@@ -68,7 +69,6 @@ from flextensor.host.shared.segments import (
     set_content,
     sweep_leftovers,
 )
-from flextensor.weights.selection import parameter_signatures
 
 logger = logging.getLogger("flextensor")
 
