@@ -14,9 +14,9 @@
 #   engine     the controller and its parts, status, edit session, budgets
 #   profiles   saved profiles
 #   pipelines  whole pipelines
-#   vllm       the vLLM plugin
 #   api        the public verbs
 #   observe    report, trace, probe
+#   vllm       the vLLM plugin (an integration on the public verbs, as the CLI is)
 #   cli        the command and the demo
 #
 # This file (the package root) may import anything.
@@ -51,6 +51,7 @@ from flextensor.api import (
     status,
 )
 from flextensor.common.log import configure_logging
+from flextensor.common.version import __version__
 from flextensor.config.schema import OffloadConfig
 from flextensor.config.sources import load_config
 from flextensor.engine.status import OffloadStatus, UnitStatus
@@ -77,8 +78,6 @@ from flextensor.errors import (
 from flextensor.observe.report import report
 from flextensor.observe.trace import trace
 from flextensor.weights.edits import editing
-
-__version__ = "0.1.0"
 
 configure_logging()  # the "flextensor" logger: quiet unless FT_LOG_LEVEL is set
 

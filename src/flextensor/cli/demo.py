@@ -24,6 +24,7 @@ from torch import nn
 from flextensor.common.sizes import format_bytes, parse_bytes
 from flextensor.config.devices import resolve_device
 from flextensor.config.schema import OffloadConfig
+from flextensor.errors import ConfigError
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -209,11 +210,11 @@ def run_demo(
     ``slowdown``, ``offload_s``, ``forwards_to_steady``, ``bitwise_equal``, ``max_abs_diff``, ``plan``
     (the Plan) and ``report`` (the :class:`flextensor.observe.report.Report` of the first steady step).
     """
-    import flextensor
-    from flextensor.api import engine_of
+    from flextensor.api import engine_of, offload, phase, resident_parameters
+    from flextensor.observe.report import report
 
     if steps < 1:
-        raise flextensor.ConfigError(f"steps must be at least 1, got {steps}")
+        raise ConfigError(f"steps must be at least 1, got {steps}")
     budget_bytes = None if budget is None else parse_bytes(budget)
     # Resolve (and check) the device the way offload() will.
     dev = resolve_device(OffloadConfig(device=device).device)
@@ -223,7 +224,7 @@ def run_demo(
     seq = defaults["seq"] if seq is None else seq
     for name, value in (("layers", layers), ("hidden", hidden), ("seq", seq)):
         if value < 1:
-            raise flextensor.ConfigError(f"{name} must be at least 1, got {value}")
+            raise ConfigError(f"{name} must be at least 1, got {value}")
     cuda = dev.type == "cuda"
 
     demo = build_demo_model(dev, layers, hidden, seq)
@@ -248,12 +249,12 @@ def run_demo(
             include_patterns=demo.include_patterns, device=str(dev), gpu_memory_budget=budget_bytes
         )
         start = time.perf_counter()
-        flextensor.offload(model, config)
+        offload(model, config)
         offload_s = time.perf_counter() - start
 
         agreement = _Agreement(reference)
         forwards_to_steady = 0
-        while flextensor.phase(model) != "inference":
+        while phase(model) != "inference":
             agreement.check(demo.forward())
             forwards_to_steady += 1
         if cuda:
@@ -267,7 +268,7 @@ def run_demo(
         offloaded_peak = torch.cuda.max_memory_allocated(dev) if cuda else None
 
     engine = engine_of(model)
-    resident = set(flextensor.resident_parameters(model))
+    resident = set(resident_parameters(model))
     offloaded_weights = engine.store.device_bytes_held() + _parameter_bytes(model, resident)
     native_step = statistics.median(native_times)
     offloaded_step = statistics.median(offloaded_times)
@@ -289,7 +290,7 @@ def run_demo(
         "max_abs_diff": agreement.max_abs_diff,
         "budget_bytes": budget_bytes,
         "plan": engine.status().plan,
-        "report": flextensor.report(model),
+        "report": report(model),
     }
     # Give the device memory and pinned host memory back now rather than at the next GC cycle.
     del engine, demo, model, reference, agreement

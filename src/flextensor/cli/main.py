@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from flextensor import __version__
 from flextensor.common.sizes import format_bytes, parse_bytes
+from flextensor.common.version import __version__
 from flextensor.errors import BudgetError, ConfigError, FlexTensorError
 
 if TYPE_CHECKING:

@@ -387,7 +387,7 @@ def _start_from_profile(engine: Any, profile: Any, source: str) -> None:
 
 def save_pipeline(pipe: Any, path: Any) -> None:
     """Save every component's profile in one file (``flextensor.save_profile(pipe, path)``)."""
-    from flextensor import __version__
+    from flextensor.common.version import __version__
     from flextensor.pipelines.profile import save_pipeline_profile
     from flextensor.profiles.reuse import snapshot_profile
 

@@ -67,7 +67,7 @@ def engine_fingerprint(engine: OffloadEngine, input_shapes: tuple[str, ...]) -> 
 
 def snapshot_profile(engine: OffloadEngine) -> Profile:
     """The engine's measurements and plan in force, as a Profile (steady state only)."""
-    from flextensor import __version__
+    from flextensor.common.version import __version__
 
     entry = engine.current
     if entry is None:

@@ -15,7 +15,7 @@ class WorkerExtension:
     def flextensor_report(self) -> dict[str, Any]:
         """``flextensor.report(model).to_dict()`` of this worker's model (needs a steady step: one generate
         call after the engine started is enough)."""
-        from flextensor import report
+        from flextensor.observe.report import report
 
         return report(self.model_runner.get_model()).to_dict()  # type: ignore[attr-defined]
 
@@ -54,7 +54,7 @@ class WorkerExtension:
         """``flextensor.save_profile(model, path)`` of this worker's model (after a steady step); a
         ``{rank}`` in ``path`` becomes the worker's rank, for engines with several. Returns the path
         written; pass it back as ``"profile"`` under ``"flextensor"`` to start from it next time."""
-        from flextensor import save_profile
+        from flextensor.api import save_profile
 
         written = path.format(rank=getattr(self, "rank", 0))
         save_profile(self.model_runner.get_model(), written)  # type: ignore[attr-defined]
